@@ -1,0 +1,32 @@
+# Two entry points for a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test install clean bench
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# Pin the CPU build of torch first; an unpinned torch pulls a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/sluice up
+
+test: $(STAMP)
+	@command -v redis-server >/dev/null 2>&1 || { \
+		echo "installing redis-server"; \
+		apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; }
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m backend.bench --quick
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

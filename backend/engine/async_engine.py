@@ -1,0 +1,241 @@
+"""asyncio front of the engine: the model step runs on a worker thread, never on the loop.
+
+Requests and aborts are queued to the worker and applied between two steps, so an abort
+frees the request's blocks before the next forward pass. Each request's output reaches
+its caller through an ``asyncio.Queue`` filled with one ``call_soon_threadsafe`` per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .engine import LLMEngine
+from .errors import EngineDeadError, InvalidRequestError
+from .outputs import EngineState, OutputDelta
+from .sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from .builder import EngineParts
+
+log = logging.getLogger("sluice.engine")
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    cache_salt: str | None
+    arrival_time: float
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    """Drive an ``LLMEngine`` from asyncio.
+
+    ``generate`` yields ``OutputDelta`` objects; leaving the iteration early (break,
+    exception, task cancellation) aborts the request in the engine.
+    """
+
+    def __init__(self, core: LLMEngine, parts: EngineParts | None = None) -> None:
+        self.core = core
+        self.parts = parts
+        self._cv = threading.Condition()
+        self._ops: list[_Add | _Abort] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, asyncio.Queue[OutputDelta | BaseException]] = {}
+        self._dead: BaseException | None = None
+        self._snapshot: EngineState = core.state()
+
+    @classmethod
+    def from_config(cls, config: Any) -> AsyncEngine:
+        """Load the model, tokenizer and KV cache that ``config`` (EngineConfig) names."""
+        from .builder import build_engine
+
+        parts = build_engine(config)
+        return cls(parts.core, parts)
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Abort everything still running and stop the worker."""
+        if self._thread is None:
+            return
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    async def __aenter__(self) -> AsyncEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._dead is None
+
+    # ---- requests -----------------------------------------------------------------------
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[OutputDelta]:
+        """Stream a request's output. Invalid input raises before anything is queued."""
+        if self._dead is not None:
+            raise EngineDeadError("engine step loop has failed") from self._dead
+        if self._thread is None or self._loop is None:
+            raise EngineDeadError("engine is not started")
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already running",
+                                      "request_id")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequestError("priority must be an integer", "priority")
+        self.core.validate(prompt_token_ids, params)  # reads only immutable settings
+        queue: asyncio.Queue[OutputDelta | BaseException] = asyncio.Queue()
+        self._streams[request_id] = queue
+        self._submit(_Add(request_id, list(prompt_token_ids), params, priority, cache_salt,
+                          self.core.clock()))
+        return self._stream(request_id, queue)
+
+    async def _stream(self, request_id: str,
+                      queue: asyncio.Queue[OutputDelta | BaseException],
+                      ) -> AsyncIterator[OutputDelta]:
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Ask the worker to abort a request (thread-safe; unknown ids are a no-op)."""
+        self.core.mark_abort(request_id)
+        self._submit(_Abort(request_id))
+
+    def state(self) -> EngineState:
+        """The snapshot taken after the latest step or queued operation."""
+        return self._snapshot
+
+    def _submit(self, op: _Add | _Abort) -> None:
+        with self._cv:
+            self._ops.append(op)
+            self._cv.notify()
+
+    # ---- worker thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        core = self.core
+        try:
+            while True:
+                with self._cv:
+                    while not self._ops and not self._stopping and not core.has_work():
+                        self._cv.wait()
+                    ops, self._ops = self._ops, []
+                    stopping = self._stopping
+                deltas: list[OutputDelta] = []
+                errors: list[tuple[str, BaseException]] = []
+                for op in ops:
+                    self._apply(op, deltas, errors)
+                if stopping:
+                    self._abort_all(deltas)
+                    self._snapshot = core.state()
+                    self._publish(deltas, errors)
+                    return
+                if core.has_work():
+                    deltas.extend(core.step())
+                self._snapshot = core.state()
+                self._publish(deltas, errors)
+        except BaseException as exc:  # the loop is dead: fail every waiting stream
+            log.exception("engine step loop failed")
+            self._dead = exc
+            self._fail_all(exc)
+
+    def _apply(self, op: _Add | _Abort, deltas: list[OutputDelta],
+               errors: list[tuple[str, BaseException]]) -> None:
+        if isinstance(op, _Abort):
+            delta = self.core.abort(op.request_id)
+            if delta is not None:
+                deltas.append(delta)
+            return
+        try:
+            self.core.add_request(op.request_id, op.prompt_token_ids, op.params,
+                                  priority=op.priority, cache_salt=op.cache_salt,
+                                  arrival_time=op.arrival_time)
+        except InvalidRequestError as exc:
+            errors.append((op.request_id, exc))
+
+    def _abort_all(self, deltas: list[OutputDelta]) -> None:
+        sch = self.core.scheduler
+        ids = [s.request_id for s in sch.running + sch.waiting]
+        for rid in ids:
+            delta = self.core.abort(rid)
+            if delta is not None:
+                deltas.append(delta)
+
+    def _publish(self, deltas: list[OutputDelta],
+                 errors: list[tuple[str, BaseException]]) -> None:
+        if (deltas or errors) and self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._dispatch, deltas, errors)
+            except RuntimeError:  # loop closed between the check and the call
+                pass
+
+    def _dispatch(self, deltas: list[OutputDelta],
+                  errors: list[tuple[str, BaseException]]) -> None:
+        for delta in deltas:
+            queue = self._streams.get(delta.request_id)
+            if queue is not None:
+                queue.put_nowait(delta)
+        for rid, exc in errors:
+            queue = self._streams.get(rid)
+            if queue is not None:
+                queue.put_nowait(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        if self._loop is None or self._loop.is_closed():
+            return
+        err = EngineDeadError(f"engine step loop failed: {exc!r}")
+
+        def fail() -> None:
+            for queue in self._streams.values():
+                queue.put_nowait(err)
+
+        try:
+            self._loop.call_soon_threadsafe(fail)
+        except RuntimeError:
+            pass

@@ -1,0 +1,147 @@
+"""Assemble an engine from an ``EngineConfig``: model, tokenizer, KV cache, versions."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .engine import LLMEngine
+from .errors import InvalidRequestError
+from .kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_memory
+from .loader import load_model, model_revision
+from .model_config import ModelConfig
+from .model_runner import ModelRunner
+from .tiny_model import TINY_MODEL_NAME, ensure_tiny_model
+from .tokenizer import Tokenizer
+from .versions import ResolvedVersions, engine_version
+
+log = logging.getLogger("sluice.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+           "half": torch.float16, "float": torch.float32}
+
+DEFAULT_CPU_KV_GIB = 1.0
+DEFAULT_CUDA_KV_FRACTION = 0.8
+
+
+@dataclass(slots=True)
+class EngineParts:
+    """Everything built for one engine, for the server and the bench to use."""
+
+    core: LLMEngine
+    runner: ModelRunner
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    versions: ResolvedVersions
+    model_name: str
+    model_path: Path
+    device: torch.device
+    dtype: torch.dtype
+    num_blocks: int
+    kv_bytes_per_block: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidRequestError("device cuda was asked for but CUDA is not available",
+                                  "device")
+    try:
+        return torch.device(name)
+    except RuntimeError as exc:
+        raise InvalidRequestError(f"unknown device {name!r}", "device") from exc
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise InvalidRequestError(
+            f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16", "dtype") from None
+
+
+def resolve_model_path(config: EngineConfig) -> tuple[Path, str]:
+    if config.model == "tiny":
+        cache = Path(config.cache_dir) if config.cache_dir else None
+        return ensure_tiny_model(cache), config.served_model_name or TINY_MODEL_NAME
+    path = Path(config.model).expanduser()
+    return path, config.served_model_name or path.name
+
+
+def build_engine(config: EngineConfig) -> EngineParts:
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    path, name = resolve_model_path(config)
+    loaded = load_model(path, dtype, device)
+    mcfg = loaded.config
+    tokenizer = Tokenizer.from_dir(path)
+    versions = ResolvedVersions(
+        model=name,
+        revision=model_revision(path),
+        tokenizer=tokenizer.sha256,
+        chat_template=tokenizer.chat_template_sha256,
+        engine=engine_version(),
+    )
+    model_len = mcfg.max_position_embeddings
+    if config.max_model_len is not None:
+        if config.max_model_len > model_len:
+            raise InvalidRequestError(
+                f"max_model_len {config.max_model_len} exceeds the model's "
+                f"max_position_embeddings {model_len}", "max_model_len")
+        model_len = config.max_model_len
+    bs = config.block_size
+    per_block = kv_bytes_per_block(mcfg, bs, dtype)
+    if config.kv_blocks is not None:
+        num_blocks = config.kv_blocks
+    elif config.kv_memory_gib is not None:
+        num_blocks = num_blocks_for_memory(mcfg, bs, dtype, config.kv_memory_gib)
+    else:
+        num_blocks = _default_num_blocks(config, mcfg, dtype, device, model_len, per_block)
+    if num_blocks < 1:
+        raise InvalidRequestError("the KV budget holds no block", "kv_memory_gib")
+    # A request must be able to run alone: cap the context length to the KV capacity.
+    max_model_len = min(model_len, num_blocks * bs)
+    kv = allocate_kv_cache(mcfg, num_blocks, bs, dtype, device)
+    runner = ModelRunner(loaded.model, kv, bs, device)
+    eos = tokenizer.eos_token_ids or tuple(mcfg.eos_token_ids)
+    core = LLMEngine(
+        runner=runner,
+        num_blocks=num_blocks,
+        block_size=bs,
+        vocab_size=mcfg.vocab_size,
+        max_model_len=max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        eos_token_ids=tuple(eos),
+        make_detokenizer=lambda prompt: IncrementalDetokenizer(tokenizer, prompt),
+        make_salt=versions.prefix_cache_salt,
+        enable_prefix_cache=config.enable_prefix_cache,
+        aging_s=config.aging_s,
+        static_batching=config.static_batching,
+        seed=config.seed,
+    )
+    log.info("engine ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens "
+             "max_model_len=%d", name, device, dtype, num_blocks, bs, max_model_len)
+    return EngineParts(core=core, runner=runner, model_config=mcfg, tokenizer=tokenizer,
+                       versions=versions, model_name=name, model_path=path, device=device,
+                       dtype=dtype, num_blocks=num_blocks, kv_bytes_per_block=per_block)
+
+
+def _default_num_blocks(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype,
+                        device: torch.device, model_len: int, per_block: int) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * DEFAULT_CUDA_KV_FRACTION) // per_block
+    # On the CPU, enough for every sequence slot at full length, within a default budget.
+    wanted = config.max_num_seqs * (-(-model_len // config.block_size))
+    budget = num_blocks_for_memory(mcfg, config.block_size, dtype, DEFAULT_CPU_KV_GIB)
+    return max(1, min(wanted, budget))

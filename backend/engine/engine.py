@@ -1,0 +1,307 @@
+"""The synchronous engine core: one step = schedule, run the model, sample, emit deltas.
+
+``LLMEngine`` is owned by a single thread (``AsyncEngine``'s worker). Nothing in it is
+thread-safe on purpose: requests and aborts reach it between steps.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from .block_manager import BlockManager
+from .errors import InvalidRequestError, PromptTooLongError
+from .outputs import EngineState, OutputDelta, RequestMetrics
+from .sampler import make_generator, sample
+from .sampling import SamplingParams
+from .scheduler import ScheduledChunk, Scheduler
+from .sequence import FinishReason, Sequence, SequenceStatus
+from .stop import StopStringMatcher
+
+
+class Detokenizer(Protocol):
+    def add(self, token_ids: list[int]) -> str: ...
+    def flush(self) -> str: ...
+
+
+class Runner(Protocol):
+    def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor: ...
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """Output-side state of a live request."""
+
+    detok: Detokenizer
+    stopper: StopStringMatcher
+    generator: torch.Generator | None
+    abort_mark: int | None = None  # output tokens when abort() was called
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        *,
+        runner: Runner,
+        num_blocks: int,
+        block_size: int,
+        vocab_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        eos_token_ids: tuple[int, ...],
+        make_detokenizer: Callable[[list[int]], Detokenizer],
+        make_salt: Callable[[str | None], bytes],
+        enable_prefix_cache: bool = True,
+        aging_s: float = 2.0,
+        static_batching: bool = False,
+        seed: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.runner = runner
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_cache)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            aging_s=aging_s,
+            static_batching=static_batching,
+            clock=clock,
+        )
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.make_detokenizer = make_detokenizer
+        self.make_salt = make_salt
+        self.static_batching = static_batching
+        self.clock = clock
+        self._requests: dict[str, _RequestState] = {}
+        self._seed = seed
+        self._num_unseeded = 0
+        self.steps = 0
+        self.generated_tokens = 0
+        self.aborted = 0
+        self.max_tokens_after_abort = 0
+
+    # ---- requests ---------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ``InvalidRequestError`` for a request that can never be served."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params must be SamplingParams", "params")
+        if not isinstance(prompt_token_ids, list) or not prompt_token_ids:
+            raise InvalidRequestError("prompt must have at least one token", "prompt")
+        for t in prompt_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise InvalidRequestError(
+                    f"prompt token {t!r} is not an id in [0, {self.vocab_size})", "prompt")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {n} tokens; this model serves at most {self.max_model_len} "
+                f"tokens in all, so the prompt must be shorter than that", "prompt")
+        if n + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{n + params.max_tokens} exceeds the maximum context length "
+                f"{self.max_model_len}", "max_tokens")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Sequence:
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id must be a non-empty string", "request_id")
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already running",
+                                      "request_id")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequestError("priority must be an integer", "priority")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError("cache_salt must be a string", "cache_salt")
+        self.validate(prompt_token_ids, params)
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            priority=priority,
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
+            cache_salt=self.make_salt(cache_salt),
+        )
+        generator = None
+        if not params.greedy:
+            if params.seed is not None:
+                generator = make_generator(params.seed)
+            else:
+                self._num_unseeded += 1
+                generator = make_generator(self._seed * 1_000_003 + self._num_unseeded)
+        self._requests[request_id] = _RequestState(
+            detok=self.make_detokenizer(seq.prompt_token_ids),
+            stopper=StopStringMatcher(params.stop),
+            generator=generator,
+        )
+        self.scheduler.add(seq)
+        return seq
+
+    def mark_abort(self, request_id: str) -> None:
+        """Note how far a request had got when its abort was asked for (any thread)."""
+        state = self._requests.get(request_id)
+        seq = self.scheduler.get(request_id)
+        if state is not None and seq is not None and state.abort_mark is None:
+            state.abort_mark = seq.num_output_tokens
+
+    def abort(self, request_id: str) -> OutputDelta | None:
+        """Abort from any state; frees the blocks now. Unknown/finished ids: no-op."""
+        state = self._requests.get(request_id)
+        seq = self.scheduler.abort(request_id)
+        if seq is None or state is None:
+            return None
+        self.aborted += 1
+        mark = state.abort_mark if state.abort_mark is not None else seq.num_output_tokens
+        after = seq.num_output_tokens - mark
+        self.max_tokens_after_abort = max(self.max_tokens_after_abort, after)
+        seq.finished_time = self.clock()
+        return self._final_delta(seq, "", (), (), tokens_after_abort=after)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one iteration ----------------------------------------------------------------
+    def step(self) -> list[OutputDelta]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        logits = self.runner.execute(out.chunks)
+        now = self.clock()
+        self.steps += 1
+        self.scheduler.on_step_done(out)
+        sampling = [c.seq for c in out.chunks if c.samples]
+        params = [s.params for s in sampling]
+        gens = [self._generator(s) for s in sampling]
+        tokens = sample(logits, params, gens)
+        deltas: list[OutputDelta] = []
+        for seq, tok in zip(sampling, tokens):
+            delta = self._append_token(seq, tok, now)
+            if delta is not None:
+                deltas.append(delta)
+        if self.static_batching:
+            self._end_static_batch_if_done()
+        return deltas
+
+    def _generator(self, seq: Sequence) -> torch.Generator | None:
+        state = self._requests.get(seq.request_id)
+        return state.generator if state is not None else None
+
+    def _append_token(self, seq: Sequence, tok: int, now: float) -> OutputDelta | None:
+        if seq.internal:  # static-batching padding row: its prefill is all it is for
+            self.scheduler.finish(seq, FinishReason.LENGTH)
+            return None
+        seq.token_ids.append(tok)
+        if seq.ghost:
+            if seq.num_tokens >= self.max_model_len:
+                self.scheduler.finish(seq, FinishReason.LENGTH)
+            return None
+        self.generated_tokens += 1
+        seq.token_times.append(now)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        state = self._requests[seq.request_id]
+        p = seq.params
+        reason: FinishReason | None = None
+        text = ""
+        matched = False
+        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            reason = FinishReason.STOP  # the stop token itself is not part of the text
+        else:
+            text, matched = state.stopper.feed(state.detok.add([tok]))
+            if matched:
+                reason = FinishReason.STOP
+        if reason is None:
+            reason = self.scheduler.check_length(seq)
+        if reason is None:
+            return OutputDelta(
+                request_id=seq.request_id, text=text, token_ids=(tok,), token_times=(now,),
+                finished=False, finish_reason=None, num_prompt_tokens=seq.num_prompt_tokens,
+                num_cached_tokens=seq.num_cached_tokens,
+                num_output_tokens=seq.num_output_tokens)
+        if not matched:  # release what was held back: an unfinished character, a partial stop
+            tail, matched = state.stopper.feed(state.detok.flush())
+            text += tail if matched else tail + state.stopper.flush()
+        seq.finish_reason = reason
+        seq.finished_time = now
+        delta = self._final_delta(seq, text, (tok,), (now,))
+        if self.static_batching and self._batch_still_running(seq):
+            self.scheduler.make_ghost(seq)
+        else:
+            self.scheduler.finish(seq, reason)
+        return delta
+
+    def _final_delta(self, seq: Sequence, text: str, token_ids: tuple[int, ...],
+                     token_times: tuple[float, ...],
+                     tokens_after_abort: int | None = None) -> OutputDelta:
+        self._requests.pop(seq.request_id, None)
+        metrics = RequestMetrics(
+            arrival_time=seq.arrival_time,
+            first_scheduled_time=seq.first_scheduled_time,
+            first_token_time=seq.first_token_time,
+            finished_time=seq.finished_time,
+            token_times=tuple(seq.token_times),
+            num_preemptions=seq.num_preemptions,
+            tokens_after_abort=tokens_after_abort,
+        )
+        reason = seq.finish_reason.value if seq.finish_reason else None
+        return OutputDelta(
+            request_id=seq.request_id, text=text, token_ids=token_ids,
+            token_times=token_times, finished=True, finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=seq.num_output_tokens, metrics=metrics)
+
+    # ---- static batching baseline ------------------------------------------------------
+    def _batch_still_running(self, seq: Sequence) -> bool:
+        return any(s is not seq and not s.ghost and not s.internal
+                   for s in self.scheduler.running)
+
+    def _end_static_batch_if_done(self) -> None:
+        running = self.scheduler.running
+        if running and all(s.ghost or s.internal for s in running):
+            for s in list(running):
+                self.scheduler.finish(s, s.finish_reason or FinishReason.LENGTH)
+
+    # ---- introspection ----------------------------------------------------------------
+    def state(self) -> EngineState:
+        bm = self.block_manager
+        sch = self.scheduler
+        return EngineState(
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_free=bm.num_free_blocks,
+            kv_blocks_cached=bm.num_cached_free_blocks,
+            block_size=bm.block_size,
+            running=sum(1 for s in sch.running if not (s.ghost or s.internal)),
+            waiting=len(sch.waiting),
+            preemptions=sch.num_preemptions,
+            prefix_cache_queries=bm.stats.queries,
+            prefix_cache_hits=bm.stats.hits,
+            prefix_cache_query_tokens=bm.stats.query_tokens,
+            prefill_tokens_saved=bm.stats.hit_tokens,
+            prefix_cache_evictions=bm.stats.evictions,
+            max_num_seqs=sch.max_num_seqs,
+            max_num_batched_tokens=sch.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            steps=self.steps,
+            generated_tokens=self.generated_tokens,
+            aborted=self.aborted,
+            max_tokens_after_abort=self.max_tokens_after_abort,
+        )
+
+    def status_of(self, request_id: str) -> SequenceStatus | None:
+        seq = self.scheduler.get(request_id)
+        return seq.status if seq is not None else None

@@ -1,0 +1,50 @@
+"""Turns a scheduled step into tensors, runs the model, returns logits.
+
+Together with ``models/`` and ``attention.py`` this is the only code that touches tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import build_attention_batch
+from .scheduler import ScheduledChunk
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Run one step; return float32 CPU logits for the chunks that sample, in order."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        last: list[int] = []
+        specs: list[tuple[list[int], int, int]] = []
+        for chunk in chunks:
+            seq, start, n = chunk.seq, chunk.start, chunk.num_new_tokens
+            input_ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            specs.append((seq.block_table, start, n))
+            if chunk.samples:
+                last.append(len(input_ids) - 1)
+        dev = self.device
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        batch = build_attention_batch(specs, self.block_size, dev)
+        hidden = self.model(ids_t, pos_t, self.kv_caches, batch)
+        if not last:
+            return torch.empty(0, 0)
+        idx = torch.tensor(last, dtype=torch.long, device=dev)
+        logits = self.model.compute_logits(hidden.index_select(0, idx))
+        return logits.float().cpu()

@@ -1,0 +1,75 @@
+"""What the engine hands back: output deltas, per-request timings, state snapshots."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(slots=True, frozen=True)
+class RequestMetrics:
+    """Per-request timings on the engine's monotonic clock (seconds)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+    token_times: tuple[float, ...]
+    num_preemptions: int
+    tokens_after_abort: int | None  # tokens generated between abort() and the abort taking effect
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass(slots=True, frozen=True)
+class OutputDelta:
+    """New output of one request since its previous delta."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    token_times: tuple[float, ...]
+    finished: bool
+    finish_reason: str | None  # stop | length | abort, on the final delta
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int  # total so far
+    metrics: RequestMetrics | None = None  # on the final delta
+
+
+@dataclass(slots=True, frozen=True)
+class EngineState:
+    """A consistent snapshot taken between two steps."""
+
+    kv_blocks_total: int
+    kv_blocks_free: int  # free or cached-free (both can be allocated)
+    kv_blocks_cached: int  # cached-free: reusable by a prefix hit until evicted
+    block_size: int
+    running: int
+    waiting: int
+    preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_query_tokens: int
+    prefill_tokens_saved: int
+    prefix_cache_evictions: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    steps: int
+    generated_tokens: int
+    aborted: int
+    max_tokens_after_abort: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)

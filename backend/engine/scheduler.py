@@ -1,0 +1,307 @@
+"""Iteration-level scheduler (pure Python; no tensors).
+
+Each step gets one token budget (``max_num_batched_tokens``) shared by decode tokens and
+prefill chunks, and at most ``max_num_seqs`` sequences.
+
+Urgency. A request's key is ``priority * aging_s + arrival_time``: lower is more urgent.
+That is exactly "priority, minus one level for every ``aging_s`` seconds waited", and
+because every request ages at the same rate the order never changes while they wait, so
+nothing starves: a request of priority p is served no later than one of priority 0 that
+arrived ``p * aging_s`` seconds after it.
+
+One step, in order:
+  0. If the most urgent waiting request is more urgent than some running ones and would
+     fit if they left, preempt them (least urgent first).
+  1. Running sequences, most urgent first, each get their next chunk (1 token when
+     decoding). When blocks run out, the least urgent running sequence is preempted by
+     recompute: its blocks go back to the pool with their hashes, so resuming is mostly
+     a prefix-cache hit.
+  2. Waiting sequences, most urgent first, are admitted while budget, sequence slots and
+     blocks last. One that does not fit is skipped so smaller ones behind it still run;
+     step 0 makes room for it as soon as preempting less urgent work would.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .block_manager import BlockManager
+from .sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first token position computed in this step
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the sequence's last known token (so it yields logits)."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        aging_s: float = 2.0,
+        watermark: float = 0.01,
+        static_batching: bool = False,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        import time
+
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.aging_s = aging_s
+        self.static_batching = static_batching
+        # New admissions leave this many blocks free for running sequences to grow into.
+        self.watermark_blocks = int(watermark * block_manager.num_blocks)
+        self.clock = clock or time.monotonic
+        self.waiting: list[Sequence] = []  # sorted by key
+        self.running: list[Sequence] = []
+        self._keys: dict[str, tuple[float, int]] = {}
+        self._by_id: dict[str, Sequence] = {}
+        self._counter = 0
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------------------
+    def key(self, seq: Sequence) -> tuple[float, int]:
+        return self._keys[seq.request_id]
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a validated sequence (the engine checks lengths before)."""
+        if seq.request_id in self._by_id:
+            raise ValueError(f"duplicate request id {seq.request_id!r}")
+        self._counter += 1
+        self._keys[seq.request_id] = (seq.priority * self.aging_s + seq.arrival_time,
+                                      self._counter)
+        self._by_id[seq.request_id] = seq
+        seq.status = SequenceStatus.WAITING
+        self._insert_waiting(seq)
+
+    def _insert_waiting(self, seq: Sequence) -> None:
+        bisect.insort(self.waiting, seq, key=self.key)
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._by_id.get(request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._by_id)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a sequence from any state and release its blocks. Idempotent."""
+        if seq.status is SequenceStatus.FINISHED and not seq.ghost:
+            return
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq in self.running:
+            self.running.remove(seq)
+        # A request aborted before its prompt was fully computed leaves nothing cached.
+        aborted_in_prefill = reason is FinishReason.ABORT and \
+            seq.num_computed_tokens < seq.num_prompt_tokens
+        self.bm.free(seq, uncache=aborted_in_prefill)
+        seq.status = SequenceStatus.FINISHED
+        seq.ghost = False
+        if seq.finish_reason is None:
+            seq.finish_reason = reason
+        self._keys.pop(seq.request_id, None)
+        self._by_id.pop(seq.request_id, None)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Finish a request with reason abort; unknown or finished ids are a no-op."""
+        seq = self._by_id.get(request_id)
+        if seq is None:
+            return None
+        self.finish(seq, FinishReason.ABORT)
+        return seq
+
+    def preempt(self, seq: Sequence) -> None:
+        """Drop a running sequence's KV (recompute later) and queue it again."""
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._insert_waiting(seq)
+
+    # ---- one step ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        if self.static_batching:
+            return self._schedule_static(out)
+        self.running.sort(key=self.key)
+        self._preempt_for_urgent_waiting(out)
+        made_room = len(out.preempted)
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if len(out.preempted) == made_room:  # admitting while running ones starve would thrash
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.bm.ensure(seq, seq.num_computed_tokens + num_new):
+                victim = self.running[-1]  # least urgent, not scheduled yet this step
+                self.preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+                budget -= num_new
+                i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        admitted: list[Sequence] = []
+        for seq in self.waiting:
+            if budget <= 0 or len(self.running) + len(admitted) >= self.max_num_seqs:
+                break
+            num_new = self._try_admit(seq, budget, reserve=self.watermark_blocks)
+            if num_new is None:
+                continue  # does not fit now; smaller requests behind it may
+            admitted.append(seq)
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+            budget -= num_new
+        for seq in admitted:
+            self.waiting.remove(seq)
+            self.running.append(seq)
+
+    def _try_admit(self, seq: Sequence, budget: int, reserve: int) -> int | None:
+        cached = self.bm.lookup(seq)
+        computed = len(cached) * self.bm.block_size
+        num_new = min(seq.num_tokens - computed, budget)
+        if not self.bm.allocate(seq, cached, computed + num_new, reserve=reserve):
+            return None
+        seq.status = SequenceStatus.RUNNING
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = self.clock()
+            seq.num_cached_tokens = seq.num_computed_tokens
+        return num_new
+
+    def _preempt_for_urgent_waiting(self, out: SchedulerOutput) -> None:
+        if not self.waiting or not self.running:
+            return
+        head = self.waiting[0]
+        head_key = self.key(head)
+        victims = [s for s in self.running if self.key(s) > head_key]
+        if not victims:
+            return
+        slots_short = len(self.running) + 1 > self.max_num_seqs
+        first_chunk = min(head.num_tokens, self.max_num_batched_tokens)
+        need = self.bm.blocks_needed(first_chunk) + self.watermark_blocks
+        if not slots_short and need <= self.bm.num_free_blocks:
+            return  # it fits without preempting anyone
+        # Only preempt if that actually makes it fit (otherwise we would thrash).
+        reclaimable = sum(1 for s in victims for b in s.block_table if self.bm.ref_counts[b] == 1)
+        if need > self.bm.num_free_blocks + reclaimable:
+            return
+        for victim in reversed(victims):  # least urgent first
+            self.preempt(victim)
+            out.preempted.append(victim)
+            if need <= self.bm.num_free_blocks and len(self.running) < self.max_num_seqs:
+                break
+
+    # ---- static batching (benchmark baseline) -------------------------------------------
+    def _schedule_static(self, out: SchedulerOutput) -> SchedulerOutput:
+        """The classic request-level batching (HF generate, FasterTransformer) on this
+        engine: a batch is formed only when none is running, and runs to completion.
+        Rows that finish keep computing as padding until the longest row ends; shorter
+        prompts are padded to the longest by extra padding rows (``internal``)."""
+        if not self.running:
+            batch: list[Sequence] = []
+            for seq in list(self.waiting):
+                if len(batch) >= self.max_num_seqs:
+                    break
+                if self._try_admit(seq, seq.num_tokens, reserve=0) is None:
+                    break
+                batch.append(seq)
+                self.waiting.remove(seq)
+                self.running.append(seq)
+            self._add_padding_rows(batch)
+        budget = self.max_num_batched_tokens
+        for seq in self.running:
+            if budget <= 0:
+                break
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            if not self.bm.ensure(seq, seq.num_computed_tokens + num_new):
+                continue  # a padding row that outgrew the pool just idles
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+            budget -= num_new
+        return out
+
+    def _add_padding_rows(self, batch: list[Sequence]) -> None:
+        """Pad every prompt of a static batch to the longest one, as a padded tensor
+        batch would: a throwaway row computes the missing positions."""
+        if not batch:
+            return
+        longest = max(s.num_tokens for s in batch)
+        for seq in batch:
+            pad = longest - seq.num_tokens
+            if pad <= 0:
+                continue
+            row = Sequence(request_id=f"{seq.request_id}#pad", prompt_token_ids=[0] * pad,
+                           params=seq.params, internal=True, arrival_time=seq.arrival_time)
+            if not self.bm.allocate(row, [], pad):
+                continue  # no room to pad: the baseline gets that much cheaper
+            row.status = SequenceStatus.RUNNING
+            self._keys[row.request_id] = (float("inf"), 0)
+            self._by_id[row.request_id] = row
+            self.running.append(row)
+
+    def make_ghost(self, seq: Sequence) -> None:
+        """Static batching: a finished row keeps computing until its batch ends. It is
+        re-keyed so that its request id is free (aborting it is a no-op)."""
+        self._by_id.pop(seq.request_id, None)
+        key = self._keys.pop(seq.request_id)
+        seq.request_id = f"{seq.request_id}#ghost"
+        self._keys[seq.request_id] = key
+        self._by_id[seq.request_id] = seq
+        seq.ghost = True
+
+    # ---- after the model ran ------------------------------------------------------------
+    def on_step_done(self, out: SchedulerOutput) -> None:
+        """Advance computed-token counts and register newly full blocks in the cache."""
+        for chunk in out.chunks:
+            seq = chunk.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens = chunk.start + chunk.num_new_tokens
+            self.bm.commit(seq)
+
+    def check_length(self, seq: Sequence) -> FinishReason | None:
+        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None

@@ -1,0 +1,90 @@
+"""One request's state as the scheduler and block manager see it (pure Python)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued: never scheduled, or preempted (its KV was dropped)
+    RUNNING = "running"  # holds KV blocks; prefilling or decoding
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """A request inside the engine.
+
+    Invariants:
+    - ``token_ids`` is prompt + generated tokens; ``num_computed_tokens`` of them have
+      their K/V in the blocks of ``block_table`` (block i holds tokens
+      [i*block_size, (i+1)*block_size)).
+    - ``block_hashes[i]`` is the chained hash of full block i, known once its tokens are.
+    - A WAITING sequence holds no blocks and has ``num_computed_tokens == 0``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    arrival_time: float = 0.0
+    cache_salt: bytes = b""
+    token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first admission
+    num_committed_blocks: int = 0  # leading full blocks registered in the prefix cache
+    num_preemptions: int = 0
+    ghost: bool = False  # static-batching baseline only: finished, still computing as padding
+    internal: bool = False  # static-batching padding row: never reported to a caller
+    # timings (engine clock, seconds)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while the KV of some already-known token is still to be computed
+        beyond the last one (prompt, or recompute after preemption)."""
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.params.max_tokens
