@@ -31,6 +31,11 @@ from .block_manager import BlockManager
 from .sequence import FinishReason, Sequence, SequenceStatus
 
 
+# Admission looks this far past requests that do not fit, bounding a step's work when
+# the queue is long and the KV cache is full.
+MAX_SKIPPED_PER_STEP = 32
+
+
 @dataclass(slots=True)
 class ScheduledChunk:
     seq: Sequence
@@ -184,12 +189,16 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         admitted: list[Sequence] = []
+        skipped = 0
         for seq in self.waiting:
             if budget <= 0 or len(self.running) + len(admitted) >= self.max_num_seqs:
                 break
             num_new = self._try_admit(seq, budget, reserve=self.watermark_blocks)
             if num_new is None:
-                continue  # does not fit now; smaller requests behind it may
+                skipped += 1  # does not fit now; smaller requests behind it may
+                if skipped >= MAX_SKIPPED_PER_STEP:
+                    break
+                continue
             admitted.append(seq)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
             budget -= num_new

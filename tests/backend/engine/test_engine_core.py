@@ -1,0 +1,223 @@
+"""Engine core (LLMEngine, AsyncEngine) against a scripted model: stop handling, aborts,
+static batching, the asyncio front. The real model is covered in test_engine_model.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from backend.engine.async_engine import AsyncEngine
+from backend.engine.engine import LLMEngine
+from backend.engine.errors import InvalidRequestError, PromptTooLongError
+from backend.engine.sampling import SamplingParams
+from backend.engine.scheduler import ScheduledChunk
+from backend.engine.sequence import SequenceStatus
+from backend.engine.stop import StopStringMatcher
+
+VOCAB = 32
+EOS = 0
+# token id -> text; ids 1..26 are letters, 27 is "ab", 28 is "\n", 29 is "xyz"
+PIECES = {i: chr(ord("a") + i - 1) for i in range(1, 27)} | {27: "ab", 28: "\n", 29: "xyz"}
+
+
+class ScriptedRunner:
+    """Next token = script[request's number of output tokens], per prompt's first token."""
+
+    def __init__(self, scripts: dict[int, list[int]]):
+        self.scripts = scripts
+        self.calls = 0
+
+    def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        self.calls += 1
+        rows = []
+        for c in chunks:
+            if not c.samples:
+                continue
+            seq = c.seq
+            script = self.scripts.get(seq.prompt_token_ids[0], [5])
+            tok = script[min(seq.num_output_tokens, len(script) - 1)]
+            row = torch.zeros(VOCAB)
+            row[tok] = 10.0
+            rows.append(row)
+        return torch.stack(rows) if rows else torch.empty(0, VOCAB)
+
+
+class CharDetok:
+    def __init__(self, prompt: list[int]):
+        del prompt
+
+    def add(self, ids: list[int]) -> str:
+        return "".join(PIECES.get(i, "?") for i in ids)
+
+    def flush(self) -> str:
+        return ""
+
+
+def make_engine(scripts: dict[int, list[int]], **kw) -> LLMEngine:
+    args = dict(runner=ScriptedRunner(scripts), num_blocks=64, block_size=4, vocab_size=VOCAB,
+                max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
+                eos_token_ids=(EOS,), make_detokenizer=CharDetok,
+                make_salt=lambda s: (s or "").encode())
+    args.update(kw)
+    return LLMEngine(**args)
+
+
+def run_all(engine: LLMEngine) -> dict[str, list]:
+    deltas: dict[str, list] = {}
+    for _ in range(500):
+        if not engine.has_work():
+            break
+        for d in engine.step():
+            deltas.setdefault(d.request_id, []).append(d)
+    return deltas
+
+
+def text_of(ds) -> str:
+    return "".join(d.text for d in ds)
+
+
+def test_stop_string_across_token_boundary_is_not_emitted():
+    # "a" "b" | "ab" "c": stop "bab" spans three tokens.
+    eng = make_engine({3: [1, 2, 27, 3, 4]})
+    eng.add_request("r", [3, 3], SamplingParams(max_tokens=10, temperature=0, stop=("bab",)))
+    ds = run_all(eng)["r"]
+    assert text_of(ds) == "a"
+    assert ds[-1].finished and ds[-1].finish_reason == "stop"
+    assert ds[-1].num_output_tokens == 3
+
+
+def test_eos_and_stop_token_ids_and_ignore_eos_and_length():
+    eng = make_engine({3: [1, 2, EOS, 4], 4: [1, 28, 2], 5: [1, EOS, 2]})
+    eng.add_request("eos", [3], SamplingParams(max_tokens=10, temperature=0))
+    eng.add_request("stopid", [4], SamplingParams(max_tokens=10, temperature=0,
+                                                  stop_token_ids=(28,)))
+    eng.add_request("ign", [5], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    out = run_all(eng)
+    assert text_of(out["eos"]) == "ab" and out["eos"][-1].finish_reason == "stop"
+    assert text_of(out["stopid"]) == "a" and out["stopid"][-1].finish_reason == "stop"
+    assert out["ign"][-1].finish_reason == "length" and out["ign"][-1].num_output_tokens == 4
+    assert eng.block_manager.num_free_blocks == 64
+
+
+def test_partial_stop_is_released_at_the_end():
+    eng = make_engine({3: [1, 2, 24]})  # "abx", stop "xyz" never completes
+    eng.add_request("r", [3], SamplingParams(max_tokens=3, temperature=0, stop=("xyz",)))
+    ds = run_all(eng)["r"]
+    assert text_of(ds) == "abx" and ds[-1].finish_reason == "length"
+    # "x" was held back until the end, not emitted on its own step
+    assert ds[-1].text.endswith("x")
+
+
+def test_stop_matcher_unit():
+    m = StopStringMatcher(("</s>", "STOP"))
+    assert m.feed("hello <") == ("hello ", False)
+    assert m.feed("/") == ("", False)
+    assert m.feed("x") == ("</x", False)
+    assert m.feed(" ST") == (" ", False)
+    assert m.feed("OP and more") == ("", True)
+
+
+def test_validation_errors_are_typed():
+    eng = make_engine({})
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(max_tokens="5")  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(temperature=-1)
+    with pytest.raises(PromptTooLongError):
+        eng.add_request("r", [1] * 64, SamplingParams(max_tokens=1))
+    with pytest.raises(PromptTooLongError):
+        eng.add_request("r", [1] * 60, SamplingParams(max_tokens=5))
+    with pytest.raises(InvalidRequestError):
+        eng.add_request("r", [VOCAB], SamplingParams(max_tokens=1))
+    with pytest.raises(InvalidRequestError):
+        eng.add_request("r", [], SamplingParams(max_tokens=1))
+    with pytest.raises(InvalidRequestError):
+        eng.add_request("r", [1], SamplingParams(max_tokens=1), priority="high")  # type: ignore
+    eng.add_request("dup", [1], SamplingParams(max_tokens=1))
+    with pytest.raises(InvalidRequestError):
+        eng.add_request("dup", [1], SamplingParams(max_tokens=1))
+
+
+@pytest.mark.parametrize("phase", ["waiting", "prefilling", "decoding", "preempted"])
+def test_abort_from_every_state_frees_blocks_before_next_step(phase):
+    eng = make_engine({}, max_num_batched_tokens=8, max_num_seqs=1)
+    eng.add_request("a", [1] * 20, SamplingParams(max_tokens=30, temperature=0))
+    eng.add_request("b", [2] * 4, SamplingParams(max_tokens=30, temperature=0))
+    if phase == "prefilling":
+        eng.step()  # 8 of a's 20 prompt tokens
+        assert eng.status_of("a") is SequenceStatus.RUNNING
+    elif phase == "decoding":
+        for _ in range(4):
+            eng.step()
+        assert eng.scheduler.get("a").num_output_tokens >= 1
+    elif phase == "preempted":
+        for _ in range(4):
+            eng.step()
+        eng.scheduler.preempt(eng.scheduler.get("a"))
+        assert eng.status_of("a") is SequenceStatus.WAITING
+    target = "b" if phase == "waiting" else "a"
+    delta = eng.abort(target)
+    assert delta is not None and delta.finished and delta.finish_reason == "abort"
+    assert eng.status_of(target) is None
+    held = sum(len(s.block_table) for s in eng.scheduler.running)
+    assert eng.block_manager.num_free_blocks == 64 - held
+    assert eng.abort(target) is None  # finished: no-op
+    assert eng.abort("unknown") is None
+    run_all(eng)
+    assert eng.block_manager.num_free_blocks == 64
+    eng.block_manager.check_invariants()
+
+
+def test_static_batching_pads_and_runs_batch_to_completion():
+    eng = make_engine({}, static_batching=True, max_num_seqs=4, max_num_batched_tokens=64)
+    eng.add_request("short", [1] * 2, SamplingParams(max_tokens=2, temperature=0,
+                                                     ignore_eos=True))
+    eng.add_request("long", [2] * 9, SamplingParams(max_tokens=6, temperature=0,
+                                                    ignore_eos=True))
+    out = eng.step()  # both prefilled in one step, plus a 7-token padding row for "short"
+    assert {d.request_id for d in out} == {"short", "long"}
+    assert any(s.internal for s in eng.scheduler.running) is False  # padding finished
+    eng.add_request("late", [3] * 2, SamplingParams(max_tokens=1, temperature=0,
+                                                    ignore_eos=True))
+    first_step_of_late = None
+    steps = 1
+    while eng.has_work():
+        steps += 1
+        for d in eng.step():
+            if d.request_id == "late" and first_step_of_late is None:
+                first_step_of_late = steps
+    # "late" only starts once "long" (6 tokens) has finished: the batch is not joined,
+    # and "short" kept computing as a padding row in the meantime.
+    assert first_step_of_late == 7
+    assert eng.block_manager.num_free_blocks == 64
+
+
+async def test_async_engine_stream_and_cancel():
+    eng = make_engine({3: [1, 2, 3, 4, 5, 6, 7, 8]})
+    aeng = AsyncEngine(eng)
+    async with aeng:
+        stream = await aeng.generate("ok", [3], SamplingParams(max_tokens=5, temperature=0,
+                                                                ignore_eos=True))
+        got = [d async for d in stream]
+        assert "".join(d.text for d in got) == "abcde"
+        assert got[-1].metrics is not None and got[-1].metrics.ttft is not None
+        with pytest.raises(InvalidRequestError):
+            await aeng.generate("bad", [1] * 100, SamplingParams(max_tokens=1))
+        # A consumer that leaves early aborts the request and frees its blocks.
+        stream = await aeng.generate("gone", [3], SamplingParams(max_tokens=50, temperature=0,
+                                                                  ignore_eos=True))
+        async for _ in stream:
+            break
+        await stream.aclose()
+        for _ in range(100):
+            st = aeng.state()
+            if st.running == 0 and st.waiting == 0 and st.kv_blocks_free == 64:
+                break
+            await asyncio.sleep(0.01)
+        st = aeng.state()
+        assert (st.running, st.waiting, st.kv_blocks_free, st.aborted) == (0, 0, 64, 1)
+        assert st.max_tokens_after_abort <= 2
