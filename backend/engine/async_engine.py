@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -105,8 +104,9 @@ class AsyncEngine:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[OutputDelta]:
-        """Stream a request's output. Invalid input raises before anything is queued."""
+    ) -> RequestStream:
+        """Start a request and return its output stream. Invalid input raises here,
+        before anything is queued."""
         if self._dead is not None:
             raise EngineDeadError("engine step loop has failed") from self._dead
         if self._thread is None or self._loop is None:
@@ -121,27 +121,10 @@ class AsyncEngine:
         self._streams[request_id] = queue
         self._submit(_Add(request_id, list(prompt_token_ids), params, priority, cache_salt,
                           self.core.clock()))
-        return self._stream(request_id, queue)
+        return RequestStream(self, request_id, queue)
 
-    async def _stream(self, request_id: str,
-                      queue: asyncio.Queue[OutputDelta | BaseException],
-                      ) -> AsyncIterator[OutputDelta]:
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                if item.finished:
-                    finished = True
-                yield item
-                if finished:
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+    def _release(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
         """Ask the worker to abort a request (thread-safe; unknown ids are a no-op)."""
@@ -239,3 +222,64 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(fail)
         except RuntimeError:
             pass
+
+
+class RequestStream:
+    """Async iterator over one request's ``OutputDelta`` objects.
+
+    Closing it (``aclose()``, ``async with``), or cancelling a task while it waits for
+    the next delta, aborts the request unless it already finished — also when iteration
+    never started, which a plain async generator would not guarantee.
+    """
+
+    __slots__ = ("_engine", "request_id", "_queue", "_done")
+
+    def __init__(self, engine: AsyncEngine, request_id: str,
+                 queue: asyncio.Queue[OutputDelta | BaseException]) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self._queue = queue
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> OutputDelta:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:
+            await self.aclose()
+            raise
+        if isinstance(item, BaseException):
+            self._finish()
+            raise item
+        if item.finished:
+            self._finish()
+        return item
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._finish()
+            self._engine.abort(self.request_id)
+
+    def _finish(self) -> None:
+        self._done = True
+        self._engine._release(self.request_id)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        # Last resort for a stream dropped without closing: never leave it running.
+        if not self._done:
+            self._done = True
+            try:
+                self._engine._release(self.request_id)
+                self._engine.abort(self.request_id)
+            except Exception:  # interpreter shutdown
+                pass

@@ -1,0 +1,237 @@
+"""The deterministic default checkpoint: a tiny random Llama in standard Hugging Face layout.
+
+`write_tiny_model(dir)` produces the same bytes on every run and machine:
+
+* tokenizer.json: byte-level BPE trained by `tokenizers`' BpeTrainer on data/corpus.txt (the
+  trainer is deterministic: merge ties break on the pair, not on hash order; tested);
+* model.safetensors: float32 weights from numpy's PCG64 with a fixed seed (numpy's generator
+  streams are platform-independent; torch's RNG is not used);
+* JSON files with sorted keys, fixed separators and no timestamps.
+
+The weights are random, so the text is nonsense, but greedy decoding is varied (not one repeated
+token) and top logits are well separated, which makes engine-vs-reference comparisons stable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.resources
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tokenizers
+from safetensors.numpy import save as save_safetensors
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+TINY_MODEL_NAME = "sluice-tiny"
+# Bump whenever any output byte changes; it names the cache directory.
+GENERATOR_VERSION = "1"
+SEED = 20_240_917
+
+BOS_TOKEN = "<|begin_of_text|>"
+EOS_TOKEN = "<|end_of_text|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+# Trainer special tokens take ids 0..3 in this order.
+SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, IM_START, IM_END)
+
+BPE_VOCAB_SIZE = 1024
+HIDDEN_SIZE = 64
+INTERMEDIATE_SIZE = 176
+NUM_LAYERS = 4
+NUM_HEADS = 4
+NUM_KV_HEADS = 2
+HEAD_DIM = HIDDEN_SIZE // NUM_HEADS
+MAX_POSITIONS = 2048
+# The lm_head is drawn wider than 1/sqrt(fan_in) so that logits spread over several units and
+# the argmax is rarely a near-tie.
+LM_HEAD_GAIN = 4.0
+
+CHAT_TEMPLATE = """\
+{{- bos_token }}
+{%- for message in messages %}
+{%- if message['role'] not in ['system', 'user', 'assistant'] %}
+{{- raise_exception('Unsupported role: ' + message['role']) }}
+{%- endif %}
+{%- if message['role'] == 'system' and not loop.first %}
+{{- raise_exception('The system message must come first') }}
+{%- endif %}
+{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+
+def _corpus_text() -> str:
+    resource = importlib.resources.files("backend.engine").joinpath("data/corpus.txt")
+    return resource.read_text(encoding="utf-8")
+
+
+def generator_hash() -> str:
+    """12 hex naming this generator's output: its version, the corpus and the template."""
+    digest = hashlib.sha256(f"sluice-tiny-generator/{GENERATOR_VERSION}\n".encode())
+    digest.update(hashlib.sha256(_corpus_text().encode("utf-8")).digest())
+    digest.update(hashlib.sha256(CHAT_TEMPLATE.encode("utf-8")).digest())
+    return digest.hexdigest()[:12]
+
+
+def _json_bytes(obj: dict[str, Any]) -> bytes:
+    return (json.dumps(obj, sort_keys=True, indent=2, separators=(",", ": ")) + "\n").encode()
+
+
+def train_tokenizer(corpus: str | None = None) -> tokenizers.Tokenizer:
+    """A byte-level BPE (GPT-2 style pre-tokenizer) whose post-processor prepends BOS."""
+    text = _corpus_text() if corpus is None else corpus
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB_SIZE,
+        min_frequency=2,
+        show_progress=False,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
+    bos_id = tok.token_to_id(BOS_TOKEN)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN}:0 $A:0",
+        pair=f"{BOS_TOKEN}:0 $A:0 {BOS_TOKEN}:1 $B:1",
+        special_tokens=[(BOS_TOKEN, bos_id)],
+    )
+    return tok
+
+
+def _padded_vocab(n: int, multiple: int = 64) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _model_config(vocab_size: int, ids: dict[str, int]) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": HIDDEN_SIZE,
+        "intermediate_size": INTERMEDIATE_SIZE,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_attention_heads": NUM_HEADS,
+        "num_key_value_heads": NUM_KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "hidden_act": "silu",
+        "max_position_embeddings": MAX_POSITIONS,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "rms_norm_eps": 1e-5,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "bos_token_id": ids[BOS_TOKEN],
+        "eos_token_id": [ids[IM_END], ids[EOS_TOKEN]],
+        "pad_token_id": ids[EOS_TOKEN],
+        "torch_dtype": "float32",
+        "dtype": "float32",
+    }
+
+
+def _weights(vocab_size: int) -> dict[str, np.ndarray]:
+    """Seeded weights, drawn in one fixed key order from a single PCG64 stream."""
+    rng = np.random.Generator(np.random.PCG64(SEED))
+
+    def normal(shape: tuple[int, int], std: float) -> np.ndarray:
+        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
+
+    def linear(out_features: int, in_features: int, gain: float = 1.0) -> np.ndarray:
+        return normal((out_features, in_features), gain / float(np.sqrt(in_features)))
+
+    h, kv = HIDDEN_SIZE, NUM_KV_HEADS * HEAD_DIM
+    tensors: dict[str, np.ndarray] = {"model.embed_tokens.weight": normal((vocab_size, h), 1.0)}
+    for i in range(NUM_LAYERS):
+        p = f"model.layers.{i}."
+        tensors[p + "input_layernorm.weight"] = np.ones(h, dtype=np.float32)
+        tensors[p + "self_attn.q_proj.weight"] = linear(NUM_HEADS * HEAD_DIM, h)
+        tensors[p + "self_attn.k_proj.weight"] = linear(kv, h)
+        tensors[p + "self_attn.v_proj.weight"] = linear(kv, h)
+        tensors[p + "self_attn.o_proj.weight"] = linear(h, NUM_HEADS * HEAD_DIM)
+        tensors[p + "post_attention_layernorm.weight"] = np.ones(h, dtype=np.float32)
+        tensors[p + "mlp.gate_proj.weight"] = linear(INTERMEDIATE_SIZE, h)
+        tensors[p + "mlp.up_proj.weight"] = linear(INTERMEDIATE_SIZE, h)
+        tensors[p + "mlp.down_proj.weight"] = linear(h, INTERMEDIATE_SIZE)
+    tensors["model.norm.weight"] = np.ones(h, dtype=np.float32)
+    tensors["lm_head.weight"] = linear(vocab_size, h, gain=LM_HEAD_GAIN)
+    return tensors
+
+
+def write_tiny_model(out_dir: Path) -> Path:
+    """Write the tiny checkpoint into out_dir (created if needed); returns out_dir."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer()
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    # Invariant: the trainer puts special tokens first, so ids are stable across corpora.
+    if [ids[t] for t in SPECIAL_TOKENS] != list(range(len(SPECIAL_TOKENS))):
+        raise RuntimeError(f"unexpected special token ids: {ids}")
+    vocab_size = _padded_vocab(tok.get_vocab_size(with_added_tokens=True))
+
+    files: dict[str, bytes] = {
+        "config.json": _json_bytes(_model_config(vocab_size, ids)),
+        "generation_config.json": _json_bytes({
+            "bos_token_id": ids[BOS_TOKEN],
+            "eos_token_id": [ids[IM_END], ids[EOS_TOKEN]],
+            "pad_token_id": ids[EOS_TOKEN],
+            "do_sample": False,
+        }),
+        "tokenizer.json": (tok.to_str(pretty=True) + "\n").encode("utf-8"),
+        "tokenizer_config.json": _json_bytes({
+            "bos_token": BOS_TOKEN,
+            "eos_token": IM_END,
+            "pad_token": EOS_TOKEN,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": MAX_POSITIONS,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+        }),
+        "chat_template.jinja": CHAT_TEMPLATE.encode("utf-8"),
+        "model.safetensors": save_safetensors(_weights(vocab_size), metadata={"format": "pt"}),
+    }
+    for name, data in files.items():
+        (out / name).write_bytes(data)
+    return out
+
+
+def default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "sluice"
+
+
+def ensure_tiny_model(cache_dir: Path | None = None) -> Path:
+    """Return `<cache_dir>/tiny-<generator hash>`, building it on first use.
+
+    Atomic: the model is written into a private temporary directory next to the target and
+    renamed into place, so readers only ever see a complete directory. Concurrent builders race
+    on the rename; the loser discards its copy (both copies are byte-identical anyway).
+    """
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = root / f"tiny-{generator_hash()}"
+    if target.is_dir():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
+    try:
+        write_tiny_model(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not target.is_dir():  # not a lost race: a real failure
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target

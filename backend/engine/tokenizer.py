@@ -1,0 +1,426 @@
+"""The model's tokenizer and chat template, loaded from a Hugging Face checkpoint directory.
+
+Behaviour follows `transformers` (v5) `PreTrainedTokenizerFast` + `apply_chat_template` for the
+same files, so that prompt token counts and rendered prompts match what users get from HF:
+
+* `tokenizer.json` is loaded with the `tokenizers` library. Its post-processor alone decides
+  what `encode(..., add_special_tokens=True)` adds (BOS or not): transformers v5 drops
+  `add_bos_token` / `add_eos_token` from tokenizer_config.json whenever tokenizer.json exists,
+  for every tokenizer class (checked against 5.24; v4's LlamaTokenizerFast still honoured them).
+* The chat template comes from `chat_template.jinja` if present, else from
+  `tokenizer_config.json` (`chat_template` as a string, or a list of `{name, template}`); extra
+  named templates may live in `chat_templates/*.jinja`. A named set uses `"default"`, or
+  `"tool_use"` when tools are passed.
+* Rendering uses HF's jinja environment (see `_build_environment`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.utils
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken
+
+from backend.engine.errors import (
+    InvalidRequestError,
+    MissingFileError,
+    ModelLoadError,
+    TemplateError,
+)
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+CHAT_TEMPLATE_DIR = "chat_templates"
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+# The named special tokens HF passes to every chat template (`special_tokens_map`).
+_SPECIAL_TOKEN_ATTRIBUTES = (
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+)
+# Names a message's reasoning is passed under; HF copies it under the first and "thinking".
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as written in tokenizer_config.json: a string or a serialized AddedToken."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    raise ModelLoadError(f"{TOKENIZER_CONFIG_FILE}: cannot read special token {value!r}")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {path.name}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path.name} must hold a JSON object")
+    return data
+
+
+def _build_environment() -> ImmutableSandboxedEnvironment:
+    """The jinja environment HF renders chat templates with (chat_template_utils.py)."""
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: tuple[str, str] | None = None,
+        sort_keys: bool = False,
+    ) -> str:
+        # HF overrides jinja's tojson, which would HTML-escape the output.
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    def strftime_now(format: str) -> str:  # noqa: A002 - the name templates call it with
+        return datetime.now().strftime(format)
+
+    class TemplateDict:
+        """`dict` without attribute access to the type itself (no type-hackery escapes)."""
+
+        def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+            return dict.fromkeys(*args, **kwargs)
+
+    class TemplateNamespace(jinja2.utils.Namespace):
+        """`namespace()` that refuses underscore-prefixed attributes."""
+
+        def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - jinja's signature trick
+            self, rest = args[0], args[1:]
+            attrs = dict(*rest, **kwargs)
+            for name in attrs:
+                TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check_name(name: object) -> None:
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(
+                    f"chat templates cannot store underscore-prefixed attributes, got {name!r}"
+                )
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    env.globals["dict"] = TemplateDict()
+    env.globals["namespace"] = TemplateNamespace
+    return env
+
+
+def _plain(value: Any) -> Any:
+    """A copy made only of JSON types, so the sandbox never sees caller objects (as HF does)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    return f"<{type(value).__name__}>"
+
+
+def normalize_messages(messages: object) -> list[dict[str, Any]]:
+    """Validate OpenAI-style chat messages and return plain copies ready for a template.
+
+    Each message is a dict with a string `role` and a `content` that is a string or a list of
+    `{"type": "text", "text": ...}` parts (joined with "\\n", as vLLM does). An assistant message
+    may omit content when it carries `tool_calls`. Keys whose value is None are dropped, as HF
+    does. Raises InvalidRequestError(param="messages").
+    """
+    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
+        raise InvalidRequestError("messages must be a list of message objects", param="messages")
+    if not messages:
+        raise InvalidRequestError("messages must not be empty", param="messages")
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise InvalidRequestError(f"messages[{i}] must be an object", param="messages")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise InvalidRequestError(f"messages[{i}].role must be a string", param="messages")
+        plain = {k: v for k, v in _plain(dict(message)).items() if v is not None}
+        content = plain.get("content")
+        if isinstance(content, list):
+            plain["content"] = _join_text_parts(content, i)
+        elif content is None:
+            if not (role == "assistant" and plain.get("tool_calls")):
+                raise InvalidRequestError(f"messages[{i}].content is required", param="messages")
+        elif not isinstance(content, str):
+            raise InvalidRequestError(
+                f"messages[{i}].content must be a string or a list of text parts", param="messages"
+            )
+        reasoning = next((plain[k] for k in _REASONING_FIELDS if plain.get(k) is not None), None)
+        if reasoning is not None:
+            plain = {"thinking": reasoning, **plain, "reasoning_content": reasoning}
+        out.append(plain)
+    return out
+
+
+def _join_text_parts(parts: list[Any], index: int) -> str:
+    texts: list[str] = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise InvalidRequestError(
+                f"messages[{index}].content[{j}] must be a text part; only text is supported",
+                param="messages",
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise InvalidRequestError(
+                f"messages[{index}].content[{j}].text must be a string", param="messages"
+            )
+        texts.append(text)
+    return "\n".join(texts)
+
+
+class Tokenizer:
+    """A checkpoint's tokenizer: encode/decode, special ids and the chat template."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        sha256: str,
+        special_tokens: Mapping[str, str] | None = None,
+        chat_template: str | Mapping[str, str] | None = None,
+        extra_eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        self._backend = backend
+        self._sha256 = sha256
+        self._special_tokens = dict(special_tokens or {})
+        self._chat_template = (
+            dict(chat_template) if isinstance(chat_template, Mapping) else chat_template
+        )
+        self._env: ImmutableSandboxedEnvironment | None = None
+        self._compiled: dict[str, jinja2.Template] = {}
+
+        eos_ids: list[int] = []
+        eos_id = self.token_to_id(self._special_tokens.get("eos_token"))
+        for candidate in ([eos_id] if eos_id is not None else []) + list(extra_eos_token_ids):
+            if candidate not in eos_ids:
+                eos_ids.append(candidate)
+        self._eos_token_ids = tuple(eos_ids)
+
+        special = {
+            tid for tid, tok in backend.get_added_tokens_decoder().items() if tok.special
+        }
+        special.update(
+            tid for tid in (self.token_to_id(t) for t in self._special_tokens.values())
+            if tid is not None
+        )
+        self._all_special_ids = tuple(sorted(special))
+
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load tokenizer.json, tokenizer_config.json, chat templates and generation_config.json."""
+        root = Path(path)
+        tokenizer_path = root / TOKENIZER_FILE
+        if not tokenizer_path.is_file():
+            raise MissingFileError(f"{TOKENIZER_FILE} not found in {root}")
+        raw = tokenizer_path.read_bytes()
+        try:
+            backend = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
+        except Exception as exc:  # the Rust side raises plain Exception subclasses
+            raise ModelLoadError(f"cannot parse {TOKENIZER_FILE}: {exc}") from exc
+
+        config_path = root / TOKENIZER_CONFIG_FILE
+        config = _read_json(config_path) if config_path.is_file() else {}
+        special_tokens = {
+            attr: text
+            for attr in _SPECIAL_TOKEN_ATTRIBUTES
+            if (text := _token_text(config.get(attr))) is not None
+        }
+        # HF adds named special tokens that tokenizer.json lacks.
+        missing = [t for t in special_tokens.values() if backend.token_to_id(t) is None]
+        if missing:
+            backend.add_special_tokens(
+                [AddedToken(t, special=True, normalized=False) for t in dict.fromkeys(missing)]
+            )
+
+        return cls(
+            backend,
+            sha256=hashlib.sha256(raw).hexdigest(),
+            special_tokens=special_tokens,
+            chat_template=_load_chat_template(root, config),
+            extra_eos_token_ids=_generation_eos_ids(root / GENERATION_CONFIG_FILE),
+        )
+
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer can produce (base vocab plus added tokens)."""
+        return int(self._backend.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """tokenizer_config's eos first, then generation_config's, without duplicates."""
+        return self._eos_token_ids
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.token_to_id(self._special_tokens.get("bos_token"))
+
+    @property
+    def all_special_ids(self) -> tuple[int, ...]:
+        return self._all_special_ids
+
+    @property
+    def special_tokens_map(self) -> dict[str, str]:
+        return dict(self._special_tokens)
+
+    @property
+    def sha256(self) -> str:
+        """Hex sha256 of the tokenizer.json bytes."""
+        return self._sha256
+
+    @property
+    def chat_template(self) -> str | None:
+        """The template used when no tools are passed (None if the model has none)."""
+        if isinstance(self._chat_template, dict):
+            return self._chat_template.get("default")
+        return self._chat_template
+
+    @property
+    def chat_template_sha256(self) -> str | None:
+        template = self.chat_template
+        return None if template is None else hashlib.sha256(template.encode("utf-8")).hexdigest()
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        return self._backend
+
+
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self._backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render messages to prompt text, as HF's apply_chat_template(..., tokenize=False)."""
+        chat = normalize_messages(messages)
+        template = self._select_template(tools)
+        compiled = self._compile(template)
+        # As HF: kwargs override the special tokens; everything visible is plain JSON data.
+        variables = _plain({**self._special_tokens, **template_kwargs})
+        try:
+            return compiled.render(
+                messages=chat,
+                tools=_plain(tools),
+                documents=_plain(documents),
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            )
+        except jinja2.TemplateError as exc:  # raise_exception, SecurityError, UndefinedError
+            raise TemplateError(str(exc) or type(exc).__name__) from exc
+        except Exception as exc:  # a template may fail in plain Python ("a" + None)
+            raise TemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+
+    def _select_template(self, tools: object) -> str:
+        if isinstance(self._chat_template, dict):
+            if tools is not None and "tool_use" in self._chat_template:
+                return self._chat_template["tool_use"]
+            if "default" in self._chat_template:
+                return self._chat_template["default"]
+            raise TemplateError(
+                "model has several chat templates and none is named 'default': "
+                + ", ".join(sorted(self._chat_template))
+            )
+        if self._chat_template is None:
+            raise TemplateError("model has no chat template")
+        return self._chat_template
+
+    def _compile(self, template: str) -> jinja2.Template:
+        compiled = self._compiled.get(template)
+        if compiled is None:
+            if self._env is None:
+                self._env = _build_environment()
+            try:
+                compiled = self._env.from_string(template)
+            except jinja2.TemplateError as exc:
+                raise TemplateError(f"invalid chat template: {exc}") from exc
+            self._compiled[template] = compiled
+        return compiled
+
+
+def _load_chat_template(root: Path, config: Mapping[str, Any]) -> str | dict[str, str] | None:
+    """chat_template.jinja (and chat_templates/*.jinja) win over tokenizer_config's template."""
+    files: dict[str, str] = {}
+    if (root / CHAT_TEMPLATE_FILE).is_file():
+        files["default"] = (root / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    if (root / CHAT_TEMPLATE_DIR).is_dir():
+        for path in sorted((root / CHAT_TEMPLATE_DIR).glob("*.jinja")):
+            files[path.name.removesuffix(".jinja")] = path.read_text(encoding="utf-8")
+    if files:
+        return files["default"] if list(files) == ["default"] else files
+
+    value = config.get("chat_template")
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        try:
+            return {str(t["name"]): str(t["template"]) for t in value}
+        except (KeyError, TypeError) as exc:
+            raise ModelLoadError(
+                f"{TOKENIZER_CONFIG_FILE}: chat_template list items need 'name' and 'template'"
+            ) from exc
+    raise ModelLoadError(f"{TOKENIZER_CONFIG_FILE}: chat_template must be a string or a list")
+
+
+def _generation_eos_ids(path: Path) -> list[int]:
+    if not path.is_file():
+        return []
+    value = _read_json(path).get("eos_token_id")
+    if value is None:
+        return []
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ModelLoadError(f"{GENERATION_CONFIG_FILE}: eos_token_id must be an int or a list")
+    return list(ids)

@@ -1,0 +1,30 @@
+"""Fixtures shared by the whole suite."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Tests never reach a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache directory holding the tiny default model, built once per test session."""
+    from backend.engine.tiny_model import ensure_tiny_model
+
+    cache = tmp_path_factory.mktemp("sluice-cache")
+    ensure_tiny_model(cache)
+    return cache
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_cache_dir: Path) -> Path:
+    from backend.engine.tiny_model import ensure_tiny_model
+
+    return ensure_tiny_model(tiny_cache_dir)
