@@ -1,0 +1,275 @@
+"""Attention over a flat batch of tokens from many sequences, with a paged KV cache.
+
+A step's tokens are laid out flat (``[T, ...]``) in the order the caller gives the
+sequences. ``build_attention_batch`` turns (block table, computed, new) triples into
+index tensors ONCE per step; every layer reuses them, so a layer costs a fixed handful
+of tensor ops whatever the batch looks like:
+
+- every new token's K/V is written with one ``index_copy_`` (``slot_mapping``);
+- all sequences with exactly one new token (decodes) form one group: their blocks are
+  gathered with one ``index_select`` into ``[kv_heads, B, L, head_dim]`` and attended
+  with two batched matmuls and a padding mask;
+- each sequence with several new tokens (a prefill chunk) runs one
+  ``scaled_dot_product_attention`` against its cached + new keys, causal with an offset.
+
+Kernel choices are measured on a 2-core AVX2 CPU without bf16/fp16 hardware: decode
+attention reads bf16/fp32 K/V natively through SDPA with the GQA groups folded into
+query rows (SDPA's own ``enable_gqa`` and fp16 paths are ~6x slower there, so fp16 K/V
+is widened to fp32 first); prefill chunks run in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+
+from .errors import InvalidRequestError
+
+SeqSpec = tuple[list[int], int, int]  # (block_table, num_computed_tokens, num_new_tokens)
+
+
+class Workspace:
+    """Grow-only scratch buffers reused across layers and steps.
+
+    Why: a fresh multi-MB CPU tensor is mmapped and page-faulted on every allocation
+    (a 64 MiB fp32 temporary costs ~8x its copy time). A buffer is valid only until the
+    next ``get`` of the same name; callers use it within one layer's few ops.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
+        numel = 1
+        for n in shape:
+            numel *= n
+        buf = self._bufs.get((name, dtype))
+        if buf is None or buf.numel() < numel or buf.device != device:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._bufs[(name, dtype)] = buf
+        return buf[:numel].view(shape)
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """Sequences with exactly one new token, attended together."""
+
+    num_seqs: int
+    token_range: tuple[int, int] | None  # their flat token indices when contiguous
+    token_indices: torch.Tensor | None  # [B] int64 otherwise
+    block_ids: torch.Tensor  # [B * blocks_per_seq] int64; short tables padded with block 0
+    blocks_per_seq: int
+    mask: torch.Tensor  # [B, 1, 1, L] bool: True for key positions < context length
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """One sequence's run of several new tokens (flat indices start .. start+num_new-1)."""
+
+    start: int
+    num_new: int
+    num_computed: int
+    block_ids: torch.Tensor | None  # [n_blocks] covering the context; None if nothing cached
+    mask: torch.Tensor | None  # [num_new, ctx] bool (True = may attend); None = plain causal
+
+
+@dataclass(slots=True)
+class AttentionBatch:
+    """Per-step metadata, every tensor already on the model's device."""
+
+    num_tokens: int
+    block_size: int
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot each new token's K/V goes to
+    last_token_indices: torch.Tensor  # [S] int64: flat index of each sequence's last new token
+    context_lens: list[int]  # per sequence: num_computed + num_new
+    decode: DecodeGroup | None
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def build_attention_batch(
+    seqs: list[SeqSpec], block_size: int, device: torch.device | str
+) -> AttentionBatch:
+    """Precompute positions, cache slots and per-group gather indices for one step."""
+    if not seqs:
+        raise InvalidRequestError("an attention batch needs at least one sequence")
+    positions: list[int] = []
+    slots: list[int] = []
+    last: list[int] = []
+    ctx_lens: list[int] = []
+    dec_tokens: list[int] = []
+    dec_tables: list[list[int]] = []
+    dec_ctx: list[int] = []
+    prefill_specs: list[tuple[int, int, int, list[int]]] = []
+    for block_table, computed, new in seqs:
+        ctx = computed + new
+        if new < 1 or computed < 0:
+            raise InvalidRequestError(f"bad sequence spec: computed={computed} new={new}")
+        n_blocks = -(-ctx // block_size)
+        if len(block_table) < n_blocks:
+            raise InvalidRequestError(
+                f"block table has {len(block_table)} blocks; {ctx} tokens need {n_blocks}"
+            )
+        start = len(positions)
+        for pos in range(computed, ctx):
+            positions.append(pos)
+            slots.append(block_table[pos // block_size] * block_size + pos % block_size)
+        last.append(len(positions) - 1)
+        ctx_lens.append(ctx)
+        if new == 1:
+            dec_tokens.append(start)
+            dec_tables.append(block_table[:n_blocks])
+            dec_ctx.append(ctx)
+        else:
+            prefill_specs.append((start, new, computed, block_table[:n_blocks]))
+
+    def as_tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+    decode = None
+    if dec_tokens:
+        decode = _decode_group(dec_tokens, dec_tables, dec_ctx, block_size, device)
+    prefills = []
+    for start, new, computed, table in prefill_specs:
+        block_ids = mask = None
+        if computed > 0:
+            block_ids = as_tensor(table)
+            q_pos = torch.arange(computed, computed + new).unsqueeze(1)
+            # token at position p sees keys 0..p (cached prefix + new tokens up to itself)
+            mask = (torch.arange(computed + new).unsqueeze(0) <= q_pos).to(device)
+        prefills.append(PrefillChunk(start, new, computed, block_ids, mask))
+    return AttentionBatch(
+        num_tokens=len(positions),
+        block_size=block_size,
+        positions=as_tensor(positions),
+        slot_mapping=as_tensor(slots),
+        last_token_indices=as_tensor(last),
+        context_lens=ctx_lens,
+        decode=decode,
+        prefills=prefills,
+    )
+
+
+def _decode_group(
+    tokens: list[int],
+    tables: list[list[int]],
+    ctx_lens: list[int],
+    block_size: int,
+    device: torch.device | str,
+) -> DecodeGroup:
+    n = len(tokens)
+    width = max(len(t) for t in tables)
+    # Padding reads block 0, which always exists; the mask hides whatever it holds.
+    flat = [b for t in tables for b in (t + [0] * (width - len(t)))]
+    key_pos = torch.arange(width * block_size).unsqueeze(0)
+    visible = key_pos < torch.tensor(ctx_lens).unsqueeze(1)
+    contiguous = tokens == list(range(tokens[0], tokens[0] + n))
+    return DecodeGroup(
+        num_seqs=n,
+        token_range=(tokens[0], tokens[0] + n) if contiguous else None,
+        token_indices=None if contiguous else torch.tensor(tokens).to(device),
+        block_ids=torch.tensor(flat, dtype=torch.int64).to(device),
+        blocks_per_seq=width,
+        mask=visible.view(n, 1, 1, -1).to(device),
+    )
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    batch: AttentionBatch,
+) -> None:
+    """Store the step's new K/V ([T, kv_heads, head_dim]) into their cache slots."""
+    heads, _, _, dim = k_cache.shape
+    k_cache.view(heads, -1, dim).index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
+    v_cache.view(heads, -1, dim).index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+    scale: float,
+    ws: Workspace,
+) -> torch.Tensor:
+    """Attend q [T, H, D] over each sequence's cached + new keys; returns [T, H*D].
+
+    Precondition: ``write_kv`` already stored this step's k/v, so the cache holds every
+    key a token may see.
+    """
+    num_tokens, num_heads, dim = q.shape
+    out = torch.empty((num_tokens, num_heads * dim), dtype=q.dtype, device=q.device)
+    if batch.decode is not None:
+        _decode_attention(q, k_cache, v_cache, batch.decode, scale, out, ws)
+    for chunk in batch.prefills:
+        _prefill_attention(q, k, v, k_cache, v_cache, chunk, scale, out)
+    return out
+
+
+def _decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
+    scale: float, out: torch.Tensor, ws: Workspace,
+) -> None:
+    kv_heads, _, block_size, dim = k_cache.shape
+    n, num_heads = group.num_seqs, q.shape[1]
+    groups = num_heads // kv_heads
+    length = group.blocks_per_seq * block_size
+    # [kv_heads, B*blocks, bs, D] is [kv_heads, B, L, D]; SDPA takes the permuted view.
+    keys = _gather(k_cache, group.block_ids, ws, "k").view(kv_heads, n, length, dim)
+    values = _gather(v_cache, group.block_ids, ws, "v").view(kv_heads, n, length, dim)
+    rng, idx = group.token_range, group.token_indices  # invariant: exactly one is set
+    q_dec = q[rng[0]:rng[1]] if rng is not None else q.index_select(0, cast(torch.Tensor, idx))
+    # Query head h uses KV head h // groups (HF repeat_kv order): fold the groups into
+    # query rows, so K/V are read once per KV head and never expanded.
+    o = F.scaled_dot_product_attention(
+        q_dec.view(n, kv_heads, groups, dim).to(keys.dtype),
+        keys.permute(1, 0, 2, 3), values.permute(1, 0, 2, 3),
+        attn_mask=group.mask, scale=scale,
+    )  # [B, kv_heads, G, D]
+    if rng is not None:
+        out[rng[0]:rng[1]].view(n, kv_heads, groups, dim).copy_(o)
+    else:
+        out.index_copy_(0, cast(torch.Tensor, idx), o.reshape(n, -1).to(out.dtype))
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, ws: Workspace,
+            name: str) -> torch.Tensor:
+    """cache[:, block_ids] -> [kv_heads, len(block_ids), bs, D], into scratch.
+
+    bf16 and fp32 stay as they are (CPU SDPA handles them well); fp16 SDPA on CPU is
+    ~6x slower than fp32, so fp16 is widened.
+    """
+    heads, _, block_size, dim = cache.shape
+    shape = (heads, block_ids.numel(), block_size, dim)
+    native = torch.index_select(cache, 1, block_ids,
+                                out=ws.get(name, shape, cache.dtype, cache.device))
+    if cache.dtype != torch.float16 or cache.device.type != "cpu":
+        return native
+    return ws.get(name + "32", shape, torch.float32, cache.device).copy_(native)
+
+
+def _prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, chunk: PrefillChunk, scale: float, out: torch.Tensor,
+) -> None:
+    kv_heads, _, _, dim = k_cache.shape
+    lo, hi = chunk.start, chunk.start + chunk.num_new
+    q_i = q[lo:hi].transpose(0, 1).float().unsqueeze(0)  # [1, H, n, D]
+    if chunk.block_ids is None:  # nothing cached: keys are exactly this chunk's
+        keys = k[lo:hi].transpose(0, 1)
+        values = v[lo:hi].transpose(0, 1)
+    else:
+        ctx = chunk.num_computed + chunk.num_new
+        keys = k_cache.index_select(1, chunk.block_ids).view(kv_heads, -1, dim)[:, :ctx]
+        values = v_cache.index_select(1, chunk.block_ids).view(kv_heads, -1, dim)[:, :ctx]
+    o = F.scaled_dot_product_attention(
+        q_i, keys.float().unsqueeze(0), values.float().unsqueeze(0),
+        attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=True,
+    )  # [1, H, n, D]
+    out[lo:hi].view(chunk.num_new, -1, dim).copy_(o[0].transpose(0, 1))

@@ -1,0 +1,298 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a flat, paged batch.
+
+Parameters carry Hugging Face names (``model.layers.0.self_attn.q_proj.weight`` …), so
+``named_parameters()`` / ``state_dict()`` line up with a safetensors checkpoint by name.
+For speed q/k/v and gate/up run as one matmul each: their HF-named parameters are views
+into one fused tensor per layer (``_Fused``), so loading into ``q_proj.weight`` fills the
+fused ``qkv_weight`` in place and no second copy of the weights exists.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import AttentionBatch, Workspace, paged_attention, write_kv
+from ..model_config import ModelConfig
+
+# Below this many rows a half-precision matmul is memory-bound and fine as is; above it
+# CPU bf16/fp16 GEMM (no hardware support) runs ~4x slower than fp32, so upcasting the
+# weight on the fly and multiplying in fp32 wins even counting the conversion.
+_UPCAST_MIN_ROWS = 4
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            ws: Workspace) -> torch.Tensor:
+    if x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu" \
+            and x.shape[0] >= _UPCAST_MIN_ROWS:
+        w32 = ws.get("w32", tuple(weight.shape), torch.float32, x.device).copy_(weight)
+        b32 = bias.float() if bias is not None else None
+        return F.linear(x.float(), w32, b32).to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    """Uninitialised parameter: the loader (or ``init_weights``) fills every one."""
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class _Proj(nn.Module):
+    """An HF-named linear; its weight/bias may alias a slice of a fused tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_parameter("bias", None)
+
+
+class _Fused(nn.Module):
+    """Owns fused buffers and re-aliases the HF-named part parameters onto them.
+
+    ``_fused`` maps a buffer prefix ("qkv") to its parts [("q_proj", rows), ...]; the
+    buffers ``<prefix>_weight`` (and ``<prefix>_bias``) are the only real storage.
+    """
+
+    _fused: dict[str, list[tuple[str, int]]]
+
+    def _make_fused(self, prefix: str, parts: list[tuple[str, int]], in_features: int,
+                    bias: bool, dtype: torch.dtype, device: torch.device) -> None:
+        rows = sum(n for _, n in parts)
+        self.register_buffer(f"{prefix}_weight",
+                             torch.empty(rows, in_features, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer(f"{prefix}_bias",
+                             torch.empty(rows, dtype=dtype, device=device) if bias else None,
+                             persistent=False)
+        for name, _ in parts:
+            setattr(self, name, _Proj())
+        self._fused[prefix] = parts
+        self._bind()
+
+    def _bind(self) -> None:
+        for prefix, parts in self._fused.items():
+            weight, bias = getattr(self, f"{prefix}_weight"), getattr(self, f"{prefix}_bias")
+            offset = 0
+            for name, rows in parts:
+                part = getattr(self, name)
+                part.weight = nn.Parameter(weight[offset:offset + rows], requires_grad=False)
+                if bias is not None:
+                    part.bias = nn.Parameter(bias[offset:offset + rows], requires_grad=False)
+                offset += rows
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> _Fused:
+        # .to()/.half() convert buffers and parameters separately, which would break the
+        # aliasing; rebuild the part views from the converted fused buffers.
+        super()._apply(fn, recurse)
+        self._bind()
+        return self
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = _param((size,), dtype, device)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Fused kernel; accumulates the mean square in float32 for half inputs.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE with HF's exact inverse frequencies (default, linear, llama3)."""
+
+    def __init__(self, config: ModelConfig, device: torch.device) -> None:
+        super().__init__()
+        dim = config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (
+            torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+        scaling = config.rope_scaling
+        if scaling is not None and scaling.rope_type == "linear":
+            inv_freq = inv_freq / scaling.factor
+        elif scaling is not None and scaling.rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling.factor, scaling.low_freq_factor,
+                                        scaling.high_freq_factor,
+                                        scaling.original_max_position_embeddings)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        half = dim // 2
+        # rotate_half(x) = cat(-x2, x1) = roll(x, half) * [-1]*half ++ [1]*half
+        sign = torch.cat([-torch.ones(half), torch.ones(half)])
+        self.register_buffer("sin_sign", sign.to(device), persistent=False)
+        self.half = half
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos, signed sin as [T, 1, head_dim] in ``dtype``; computed once per step."""
+        freqs = positions.unsqueeze(1).float() * self.inv_freq.unsqueeze(0)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos().to(dtype).unsqueeze(1)
+        sin = (emb.sin().to(dtype) * self.sin_sign.to(dtype)).unsqueeze(1)
+        return cos, sin
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim] -> x*cos + rotate_half(x)*sin (HF's formula)."""
+        return torch.addcmul(x * cos, torch.roll(x, self.half, dims=-1), sin)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
+                     high_freq_factor: float, old_context_len: int) -> torch.Tensor:
+    """transformers' ``_compute_llama3_parameters``, op for op."""
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+@dataclass(slots=True)
+class _Step:
+    """What every layer needs for one forward pass, computed once per step."""
+
+    rope: RotaryEmbedding
+    cos: torch.Tensor
+    sin: torch.Tensor
+    batch: AttentionBatch
+    ws: Workspace
+
+
+class LlamaAttention(_Fused):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self._fused = {}
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim ** -0.5
+        q, kv = config.q_size, config.kv_size
+        self._make_fused("qkv", [("q_proj", q), ("k_proj", kv), ("v_proj", kv)],
+                         config.hidden_size, config.attention_bias, dtype, device)
+        self.o_proj = _Proj()
+        self.o_proj.weight = _param((config.hidden_size, q), dtype, device)
+        if config.o_proj_bias:
+            self.o_proj.bias = _param((config.hidden_size,), dtype, device)
+
+    def forward(self, x: torch.Tensor, step: _Step, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> torch.Tensor:
+        t, ws = x.shape[0], step.ws
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = _linear(x, self.qkv_weight, self.qkv_bias, ws)
+        # q and k are adjacent columns, so one rotary pass covers both.
+        qk = step.rope.rotate(qkv[:, :(h + hkv) * d].view(t, h + hkv, d), step.cos, step.sin)
+        q, k = qk[:, :h], qk[:, h:]
+        v = qkv[:, (h + hkv) * d:].view(t, hkv, d)
+        write_kv(k_cache, v_cache, k, v, step.batch)
+        out = paged_attention(q, k, v, k_cache, v_cache, step.batch, self.scale, ws)
+        return _linear(out, self.o_proj.weight, self.o_proj.bias, ws)
+
+
+class LlamaMLP(_Fused):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self._fused = {}
+        inter = config.intermediate_size
+        self.inter = inter
+        self._make_fused("gate_up", [("gate_proj", inter), ("up_proj", inter)],
+                         config.hidden_size, False, dtype, device)
+        self.down_proj = _Proj()
+        self.down_proj.weight = _param((config.hidden_size, inter), dtype, device)
+
+    def forward(self, x: torch.Tensor, ws: Workspace) -> torch.Tensor:
+        gate_up = _linear(x, self.gate_up_weight, None, ws)
+        act = F.silu(gate_up[:, :self.inter]).mul_(gate_up[:, self.inter:])
+        return _linear(act, self.down_proj.weight, None, ws)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, dtype, device)
+        self.mlp = LlamaMLP(config, dtype, device)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+
+    def forward(self, h: torch.Tensor, step: _Step, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> torch.Tensor:
+        # h is owned by the forward pass (fresh per step), so residual adds go in place.
+        h += self.self_attn(self.input_layernorm(h), step, k_cache, v_cache)
+        h += self.mlp(self.post_attention_layernorm(h), step.ws)
+        return h
+
+
+class _Embedding(nn.Module):
+    def __init__(self, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = _param((vocab, hidden), dtype, device)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.embed_tokens = _Embedding(config.vocab_size, config.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, dtype, device) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.rotary_emb = RotaryEmbedding(config, device)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder + LM head; forward() returns final-norm hidden states for every token."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        self.workspace = Workspace()  # scratch shared by all layers; one forward at a time
+        self.model = LlamaModel(config, dtype, device)
+        if not config.tie_word_embeddings:
+            self.lm_head = _Proj()
+            self.lm_head.weight = _param((config.vocab_size, config.hidden_size), dtype, device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                batch: AttentionBatch) -> torch.Tensor:
+        """input_ids/positions [T] -> hidden [T, hidden]; writes the step's K/V."""
+        m = self.model
+        h = F.embedding(input_ids, m.embed_tokens.weight)
+        cos, sin = m.rotary_emb.cos_sin(positions, h.dtype)
+        step = _Step(m.rotary_emb, cos, sin, batch, self.workspace)
+        for layer, (k_cache, v_cache) in zip(m.layers, kv_caches, strict=True):
+            h = layer(h, step, k_cache, v_cache)
+        return m.norm(h)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab]."""
+        return _linear(hidden, self.lm_head_weight, None, self.workspace).float()
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """HF-named standalone tensors (no shared storage), ready for safetensors."""
+        return {name: p.detach().clone().contiguous() for name, p in self.named_parameters()}
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        """Random init (HF-like): N(0, std) matrices, unit norms, zero biases."""
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
