@@ -1,9 +1,114 @@
-"""Subcommands of the bundled model server (`sluice backend`, `sluice up`)."""
+"""Subcommands of the bundled model server (`sluice backend`, `sluice up`).
+
+Heavy imports (torch, uvicorn, starlette) happen inside the command functions, so that
+building the `sluice` parser stays cheap.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from typing import Any
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8001
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _add_server_flags(p: argparse.ArgumentParser, *, model_default: str | None) -> None:
+    p.add_argument("--model", default=model_default, required=model_default is None,
+                   help="checkpoint directory (HF layout) or 'tiny' for the bundled model")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name in the API (default: the directory name, or sluice-tiny)")
+    p.add_argument("--host", default=DEFAULT_HOST, help=f"bind address (default {DEFAULT_HOST})")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT,
+                   help=f"port (default {DEFAULT_PORT})")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (float32 on cpu, bfloat16 on cuda) | float32 | bfloat16 | float16")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--kv-memory", type=float, default=None, metavar="GiB",
+                    help="KV cache budget in GiB (default: 1 GiB on CPU, 80%% of free on GPU)")
+    kv.add_argument("--kv-blocks", type=int, default=None, metavar="N",
+                    help="KV cache size in blocks")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-num-seqs", type=int, default=64,
+                   help="most sequences in one batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="token budget of one engine step (decode + prefill chunks)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length cap (default: the model's)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="disable the prefix cache")
+    p.add_argument("--seed", type=int, default=0, help="seed for unseeded sampled requests")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                   help="largest request body accepted (default 4 MiB; larger gets 413)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, how long in-flight requests may finish before abort")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--access-log", action="store_true", help="log every request")
+
+
+def _run_backend(args: argparse.Namespace, *, announce: bool) -> int:
+    import logging
+
+    from backend.engine.async_engine import AsyncEngine
+    from backend.engine.config import EngineConfig
+    from backend.engine.errors import EngineError
+    from backend.server.app import ServerSettings
+    from backend.server.serve import serve
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = EngineConfig(
+            model=args.model, device=args.device, dtype=args.dtype,
+            block_size=args.block_size, kv_memory_gib=args.kv_memory, kv_blocks=args.kv_blocks,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache,
+            seed=args.seed, served_model_name=args.served_model_name)
+        engine = AsyncEngine.from_config(config)
+    except (EngineError, OSError) as exc:
+        print(f"sluice backend: cannot start: {exc}", file=sys.stderr)
+        return 2
+    settings = ServerSettings(host=args.host, port=args.port, max_body_bytes=args.max_body_bytes,
+                              shutdown_timeout_s=args.shutdown_timeout,
+                              log_level=args.log_level, access_log=args.access_log)
+    assert engine.parts is not None
+    model = engine.parts.model_name
+
+    def ready() -> None:
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
+        url = f"http://{host}:{args.port}"
+        print(f"sluice backend ready: model {model} at {url}/v1", flush=True)
+        if announce:
+            print(_curl_line(url, model), flush=True)
+
+    return serve(engine, settings, on_ready=ready)
+
+
+def _curl_line(url: str, model: str) -> str:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}],
+                       "max_tokens": 32})
+    return ("try it:\n  curl -s " + url + "/v1/chat/completions "
+            "-H 'content-type: application/json' -d '" + body + "'")
+
+
+def _backend(args: argparse.Namespace) -> int:
+    return _run_backend(args, announce=False)
+
+
+def _up(args: argparse.Namespace) -> int:
+    # Until the gateway lands, the embedded default is the bundled backend alone.
+    return _run_backend(args, announce=True)
+
+
+def register(sub: Any) -> None:
     """Add the backend's subcommands to the `sluice` parser."""
+    p = sub.add_parser("backend", help="run the bundled OpenAI-compatible model server")
+    _add_server_flags(p, model_default=None)
+    p.set_defaults(func=_backend)
+
+    up = sub.add_parser("up", help="embedded default: the bundled backend with the tiny model")
+    _add_server_flags(up, model_default="tiny")
+    up.set_defaults(func=_up)

@@ -1,0 +1,225 @@
+"""The bundled model server's Starlette app: routes, lifespan, error mapping.
+
+The engine is built (or handed in) and started in the lifespan and kept on
+``app.state.service``; nothing lives at module level.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from backend.engine.async_engine import AsyncEngine
+from backend.engine.config import EngineConfig
+from backend.engine.errors import EngineError
+
+from .errors import (
+    ApiError,
+    BadRequest,
+    InternalError,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    Unavailable,
+    from_engine_error,
+)
+from .metrics import CONTENT_TYPE
+from .middleware import RequestContextMiddleware
+from .responses import GenerationResponse
+from .service import ModelService
+
+log = logging.getLogger("sluice.backend")
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(slots=True, frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8001
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    shutdown_timeout_s: float = 30.0  # in-flight requests get this long after SIGTERM
+    log_level: str = "info"
+    access_log: bool = False
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def error_response(err: ApiError) -> Response:
+    return Response(err.json_bytes(), status_code=err.status, media_type="application/json")
+
+
+def api(handler: Handler) -> Handler:
+    """Map the errors a handler raises to OpenAI-shaped responses (bad input is never 500)."""
+
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ApiError as err:
+            return error_response(err)
+        except EngineError as exc:
+            return error_response(from_engine_error(exc))
+
+    wrapped.__name__ = handler.__name__
+    return wrapped
+
+
+def service_of(request: Request) -> ModelService:
+    service: ModelService | None = getattr(request.app.state, "service", None)
+    if service is None:
+        raise Unavailable("the model is not loaded yet")
+    return service
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    """The body as a JSON object, refusing more than ``limit`` bytes while reading."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise PayloadTooLarge(f"request body is {length} bytes; the limit is {limit}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise BadRequest(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return body
+
+
+def _generation_route(kind: str) -> Handler:
+    async def handler(request: Request) -> Response:
+        service = service_of(request)
+        if getattr(request.app.state, "draining", False):
+            raise Unavailable("the server is shutting down")
+        body = await read_json(request, request.app.state.settings.max_body_bytes)
+        prepared = service.prepare("chat" if kind == "chat" else "completion", body, None)
+        prepared.request_id = service.claim_id(request.scope["state"].get("client_request_id"))
+        return _AsResponse(GenerationResponse(service, prepared))
+
+    handler.__name__ = f"{kind}_completions"
+    return api(handler)
+
+
+class _AsResponse(Response):
+    """Lets a handler return a raw ASGI callable where Starlette wants a Response."""
+
+    def __init__(self, app: GenerationResponse) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await self._app(scope, receive, send)
+        finally:
+            self._app.service.release_id(self._app.p.request_id)
+
+
+@api
+async def tokenize(request: Request) -> Response:
+    service = service_of(request)
+    body = await read_json(request, request.app.state.settings.max_body_bytes)
+    return JSONResponse(service.tokenize(body))
+
+
+@api
+async def models(request: Request) -> Response:
+    return JSONResponse(service_of(request).models())
+
+
+@api
+async def state(request: Request) -> Response:
+    return JSONResponse(service_of(request).state())
+
+
+@api
+async def metrics(request: Request) -> Response:
+    service = service_of(request)
+    text = service.metrics.render(service.engine.state(), service.num_inflight)
+    return Response(text, media_type=CONTENT_TYPE)
+
+
+async def health(request: Request) -> Response:
+    service = getattr(request.app.state, "service", None)
+    if service is None:
+        return JSONResponse({"status": "starting"}, status_code=503)
+    if getattr(request.app.state, "draining", False):
+        return JSONResponse({"status": "draining"}, status_code=503)
+    if not service.engine.is_running:
+        return JSONResponse({"status": "engine_dead"}, status_code=503)
+    return JSONResponse({"status": "ok", "model": service.model_name})
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        return error_response(NotFound(f"no route {request.url.path}"))
+    if exc.status_code == 405:
+        return error_response(MethodNotAllowed(f"{request.method} is not allowed on "
+                                               f"{request.url.path}"))
+    err = ApiError(str(exc.detail))
+    err.status = exc.status_code
+    return error_response(err)
+
+
+async def _unhandled(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+    return error_response(InternalError(f"internal error: {type(exc).__name__}"))
+
+
+def create_app(config: EngineConfig | None = None, settings: ServerSettings | None = None,
+               *, engine: AsyncEngine | None = None) -> Starlette:
+    """The server app. Give an already built ``engine`` (not started), or a ``config`` for
+    the lifespan to build one from (off the event loop)."""
+    settings = settings or ServerSettings()
+    if engine is None and config is None:
+        config = EngineConfig()
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        eng = engine
+        if eng is None:
+            eng = await asyncio.to_thread(AsyncEngine.from_config, config)
+        await eng.start()
+        app.state.service = ModelService(eng)
+        try:
+            yield
+        finally:
+            await eng.shutdown()  # aborts whatever is still running
+            app.state.service = None
+
+    routes = [
+        Route("/v1/chat/completions", _generation_route("chat"), methods=["POST"]),
+        Route("/v1/completions", _generation_route("completion"), methods=["POST"]),
+        Route("/v1/tokenize", tokenize, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/state", state, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={HTTPException: _http_exception, Exception: _unhandled},
+    )
+    app.state.settings = settings
+    app.state.draining = False
+    app.state.service = None
+    app.add_middleware(RequestContextMiddleware, app_state=app.state)
+    return app

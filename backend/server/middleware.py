@@ -1,0 +1,61 @@
+"""Pure ASGI middleware (no BaseHTTPMiddleware: it would buffer and break streaming)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from .responses import Message, Receive, Scope, Send
+
+MAX_REQUEST_ID_LEN = 128
+_KNOWN_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models",
+                           "/v1/tokenize", "/v1/state", "/metrics", "/health"})
+
+
+def clean_request_id(raw: bytes | None) -> str | None:
+    """The client's x-request-id if it is short printable ASCII, else None (we make one)."""
+    if not raw or len(raw) > MAX_REQUEST_ID_LEN:
+        return None
+    try:
+        text = raw.decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    return text if text.isprintable() and text.strip() == text else None
+
+
+class RequestContextMiddleware:
+    """Accepts or makes ``x-request-id`` (kept in ``scope["state"]["request_id"]``) and
+    adds it, plus ``x-sluice-resolved``, to every response; counts responses by route."""
+
+    def __init__(self, app: Any, app_state: Any) -> None:
+        self.app = app
+        self.app_state = app_state  # Starlette's app.state, filled in by the lifespan
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        wanted = None
+        for name, value in scope["headers"]:
+            if name == b"x-request-id":
+                wanted = clean_request_id(value)
+                break
+        request_id = wanted or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        scope["state"]["client_request_id"] = wanted
+        scope["state"]["raw_send"] = send  # see GenerationResponse: body chunks use it
+        service = getattr(self.app_state, "service", None)
+        extra = [(b"x-request-id", request_id.encode())]
+        if service is not None:
+            extra.append((b"x-sluice-resolved", service.resolved_header))
+        path = scope.get("path", "")
+        route = path if path in _KNOWN_ROUTES else "other"
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = list(message.get("headers", ())) + extra
+                if service is not None:
+                    service.metrics.observe_http(route, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)

@@ -1,0 +1,162 @@
+"""ASGI responses that run a generation: streamed (SSE) or whole (JSON).
+
+Both race the generation against the client's ``http.disconnect`` in two tasks, as
+Starlette's StreamingResponse does: a disconnect cancels the generation task, which leaves
+the engine's stream and so aborts the request in the engine (its KV blocks are freed before
+the next step). A request still waiting in the engine queue is aborted the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from backend.engine.errors import EngineError
+
+from .errors import ApiError, InternalError, Unavailable, from_engine_error
+from .service import ModelService, Prepared
+from .sse import ChunkEncoder, dumps, error_event, whole_response
+
+log = logging.getLogger("sluice.backend")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was complete."""
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def race_disconnect(work: Awaitable[None], receive: Receive) -> None:
+    """Run ``work`` until done, or cancel it when the client disconnects (→ ClientGone)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when our own task is cancelled (shutdown): the engine request aborts
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone()
+    task.result()  # re-raise the generation's own error
+
+
+async def send_json(send: Send, status: int, body: bytes,
+                    headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": JSON_HEADERS + (headers or [])})
+    await send({"type": "http.response.body", "body": body})
+
+
+class GenerationResponse:
+    """Runs ``prepared`` on the engine when the server calls it as an ASGI app."""
+
+    def __init__(self, service: ModelService, prepared: Prepared) -> None:
+        self.service = service
+        self.p = prepared
+        self._started = False  # response headers sent
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # Per-token body chunks skip the middleware's send wrappers, which only act on
+        # http.response.start (headers, status): one less Python layer each per token.
+        raw_send = scope.get("state", {}).get("raw_send", send)
+        run = self._stream(send, raw_send) if self.p.stream else self._whole(send)
+        try:
+            await race_disconnect(run, receive)
+        except ClientGone:
+            self.service.metrics.disconnects += 1
+        except OSError:  # the transport failed under a send: the client is gone
+            self.service.metrics.disconnects += 1
+        except asyncio.CancelledError:
+            # The server's grace period ran out (SIGTERM): the engine request is aborted
+            # by now; tell the client why instead of cutting the stream silently.
+            # Ending normally (not re-raising) spares the log a traceback per request.
+            await self._send_aborted(send)
+
+    async def _send_aborted(self, send: Send) -> None:
+        err = Unavailable("the request was aborted: the server is shutting down",
+                          code="aborted")
+        try:
+            if not self._started:
+                await send_json(send, err.status, err.json_bytes())
+            else:
+                await send({"type": "http.response.body",
+                            "body": error_event(err.message, err.type, err.code, err.status)})
+        except Exception as exc:  # noqa: BLE001 - the connection may be gone already
+            log.debug("could not tell the client about the abort: %r", exc)
+
+    async def _whole(self, send: Send) -> None:
+        parts: list[str] = []
+        try:
+            stream = await self.service.open(self.p)
+            async with stream:  # closing it aborts the request unless it finished
+                async for delta in stream:
+                    if delta.text:
+                        parts.append(delta.text)
+                    if not delta.finished:
+                        continue
+                    self.service.finished(delta)
+                    if delta.finish_reason == "abort":
+                        raise Unavailable("the request was aborted: the server is shutting down")
+                    body = whole_response(self.p, "".join(parts), delta)
+                    self._started = True
+                    await send_json(send, 200, dumps(body).encode())
+                    return
+        except (EngineError, ApiError) as exc:
+            failure = exc if isinstance(exc, ApiError) else from_engine_error(exc)
+            await send_json(send, failure.status, failure.json_bytes())
+            return
+        bug = InternalError("the engine ended the stream without a final output")
+        await send_json(send, bug.status, bug.json_bytes())
+
+    async def _stream(self, send: Send, raw_send: Send) -> None:
+        enc = ChunkEncoder(self.p)
+        self._started = True
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        first = enc.first()
+        if first is not None:
+            await raw_send({"type": "http.response.body", "body": first, "more_body": True})
+        try:
+            stream = await self.service.open(self.p)
+            async with stream:  # closing it aborts the request unless it finished
+                async for delta in stream:
+                    if delta.finished:
+                        self.service.finished(delta)
+                        if delta.finish_reason == "abort":
+                            body = error_event("the request was aborted: the server is "
+                                               "shutting down", "server_error", "aborted", 503)
+                        else:
+                            body = enc.final(delta)
+                        await raw_send({"type": "http.response.body", "body": body})
+                        return
+                    if delta.text:  # an empty delta holds back a partial character or stop
+                        await raw_send({"type": "http.response.body",
+                                        "body": enc.text(delta.text), "more_body": True})
+        except (EngineError, ApiError) as exc:
+            failure = exc if isinstance(exc, ApiError) else from_engine_error(exc)
+            body = error_event(failure.message, failure.type, failure.code, failure.status)
+            await send({"type": "http.response.body", "body": body})
+            return
+        bug = InternalError("the engine ended the stream without a final output")
+        await send({"type": "http.response.body",
+                    "body": error_event(bug.message, bug.type, bug.code, bug.status)})

@@ -1,0 +1,59 @@
+"""Run the server under uvicorn with a graceful SIGTERM.
+
+On SIGTERM/SIGINT uvicorn stops accepting, waits up to ``shutdown_timeout_s`` for in-flight
+requests, then cancels the rest (each cancellation aborts its engine request); the lifespan
+then shuts the engine down. Meanwhile ``/health`` answers 503 "draining" and new
+generation requests on open connections get 503.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+
+from backend.engine.async_engine import AsyncEngine
+
+from .app import ServerSettings, create_app
+
+log = logging.getLogger("sluice.backend")
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, app: Starlette,
+                 on_ready: Callable[[], None] | None) -> None:
+        super().__init__(config)
+        self._app = app
+        self._on_ready = on_ready
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._app.state.draining = True
+        super().handle_exit(sig, frame)
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        if self.started and self._on_ready is not None:
+            self._on_ready()
+
+
+def serve(engine: AsyncEngine, settings: ServerSettings,
+          on_ready: Callable[[], None] | None = None) -> int:
+    """Serve ``engine`` (built, not started) until SIGTERM/SIGINT; returns an exit code."""
+    app = create_app(settings=settings, engine=engine)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=settings.access_log,
+        # Typed int, but uvicorn hands it to asyncio.wait_for: a float works.
+        timeout_graceful_shutdown=max(0.1, settings.shutdown_timeout_s),  # type: ignore[arg-type]
+        lifespan="on",
+    )
+    server = _Server(config, app, on_ready)
+    server.run()
+    return 0 if server.started else 1

@@ -1,0 +1,117 @@
+"""OpenAI response bodies, streamed (SSE chunks) and whole.
+
+Per-token chunks are the hot path: each is a precomputed byte prefix + the JSON-escaped text
++ a precomputed suffix, so a token costs one ``json.dumps`` of a short string and a join.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from backend.engine.outputs import OutputDelta
+
+from .service import Prepared
+
+DONE = b"data: [DONE]\n\n"
+dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def usage(delta: OutputDelta) -> dict[str, Any]:
+    return {
+        "prompt_tokens": delta.num_prompt_tokens,
+        "completion_tokens": delta.num_output_tokens,
+        "total_tokens": delta.num_prompt_tokens + delta.num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": delta.num_cached_tokens},
+    }
+
+
+def event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + dumps(obj).encode() + b"\n\n"
+
+
+class ChunkEncoder:
+    """SSE events for one streamed request (chat or completion)."""
+
+    __slots__ = ("_envelope", "_head", "_tail", "p")
+
+    def __init__(self, p: Prepared) -> None:
+        self.p = p
+        chat = p.kind == "chat"
+        self._envelope: dict[str, Any] = {
+            "id": p.response_id,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": p.created,
+            "model": p.model,
+            "system_fingerprint": p.fingerprint,
+        }
+        # Everything of a content chunk but the text, as bytes around it.
+        env = dumps(self._envelope)[:-1]  # drop the closing brace
+        if chat:
+            head = env + ',"choices":[{"index":0,"delta":{"content":'
+            tail = '},"logprobs":null,"finish_reason":null}]'
+        else:
+            head = env + ',"choices":[{"index":0,"text":'
+            tail = ',"logprobs":null,"finish_reason":null}]'
+        if p.include_usage:
+            tail += ',"usage":null'
+        self._head = b"data: " + head.encode()
+        self._tail = (tail + "}\n\n").encode()
+
+    def first(self) -> bytes | None:
+        """The opening chunk: chat announces the assistant role; completions send nothing."""
+        if self.p.kind != "chat":
+            return None
+        return self._chunk({"role": "assistant", "content": ""}, None)
+
+    def text(self, text: str) -> bytes:
+        return self._head + dumps(text).encode() + self._tail
+
+    def final(self, delta: OutputDelta) -> bytes:
+        """The last content chunk (with finish_reason), the usage chunk if asked, [DONE]."""
+        reason = delta.finish_reason
+        if self.p.kind == "chat":
+            body = {"content": delta.text} if delta.text else {}
+            out = self._chunk(body, reason)
+        else:
+            out = self._chunk(delta.text, reason)
+        if self.p.include_usage:
+            out += event({**self._envelope, "choices": [], "usage": usage(delta)})
+        return out + DONE
+
+    def _chunk(self, content: object, reason: str | None) -> bytes:
+        if self.p.kind == "chat":
+            choice: dict[str, Any] = {"index": 0, "delta": content, "logprobs": None,
+                                      "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": reason}
+        obj: dict[str, Any] = {**self._envelope, "choices": [choice]}
+        if self.p.include_usage:
+            obj["usage"] = None
+        return event(obj)
+
+
+def error_event(message: str, type_: str, code: str | None, status: int) -> bytes:
+    """An in-stream error (headers already sent); the openai SDK raises APIError on it."""
+    return event({"error": {"message": message, "type": type_, "code": code, "param": None,
+                            "status": status}}) + DONE
+
+
+def whole_response(p: Prepared, text: str, final: OutputDelta) -> dict[str, Any]:
+    """The non-streaming body."""
+    if p.kind == "chat":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": final.finish_reason,
+        }
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None,
+                  "finish_reason": final.finish_reason}
+        obj = "text_completion"
+    return {
+        "id": p.response_id, "object": obj, "created": p.created, "model": p.model,
+        "system_fingerprint": p.fingerprint, "choices": [choice], "usage": usage(final),
+    }
