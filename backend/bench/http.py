@@ -1,0 +1,253 @@
+"""`--http` benchmark: one mixed streaming workload driven on the engine directly and
+through the HTTP server (a real `sluice backend` subprocess), side by side in one run.
+
+Reports ``http_over_direct_tokens_per_s``: output tokens/s through HTTP over tokens/s
+driven directly. The workload is closed-loop (a fixed number of concurrent clients, each
+sending its next request when the previous one ends), with mixed prompt and output
+lengths, a shared prefix for part of the requests, greedy decoding and ignore_eos, so both
+sides generate exactly the same tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Self
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(slots=True, frozen=True)
+class Job:
+    prompt: list[int]
+    max_tokens: int
+
+
+def make_workload(n: int, seed: int = 7, vocab: int = 1000) -> list[Job]:
+    """Mixed lengths; a third share a 64-token prefix (as chat turns share a system prompt)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(4, vocab) for _ in range(64)]
+    jobs = []
+    for i in range(n):
+        plen = rng.choice((8, 24, 64, 160))
+        body = [rng.randrange(4, vocab) for _ in range(plen)]
+        prompt = shared + body if i % 3 == 0 else body
+        jobs.append(Job(prompt, rng.choice((16, 48, 96, 160))))
+    return jobs
+
+
+async def _closed_loop(jobs: list[Job], concurrency: int, one: Any) -> tuple[int, float]:
+    queue: list[Job] = list(reversed(jobs))
+    total = 0
+
+    async def worker() -> None:
+        nonlocal total
+        while queue:
+            job = queue.pop()
+            n = await one(job)  # not `total += await …`: that reads total before the await
+            total += n
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return total, time.perf_counter() - t0
+
+
+class DirectSide:
+    """The workload on an in-process AsyncEngine."""
+
+    async def __aenter__(self) -> Self:
+        from backend.engine.async_engine import AsyncEngine
+        from backend.engine.config import EngineConfig
+
+        self.engine = await asyncio.to_thread(AsyncEngine.from_config,
+                                              EngineConfig(model="tiny"))
+        await self.engine.start()
+        self._ids = iter(range(10**9))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.engine.shutdown()
+
+    async def one(self, job: Job) -> int:
+        from backend.engine.sampling import SamplingParams
+
+        params = SamplingParams(max_tokens=job.max_tokens, temperature=0.0, ignore_eos=True)
+        stream = await self.engine.generate(f"d{next(self._ids)}", job.prompt, params)
+        n = 0
+        async for delta in stream:
+            n = delta.num_output_tokens
+        return n
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Connection:
+    """A minimal keep-alive HTTP/1.1 client connection for the load side.
+
+    The bench measures the server; httpx's per-chunk parsing in this same process would
+    cost more CPU than the server's own work per token, on a 2-core machine that the server
+    shares, so the client reads the chunked body as raw bytes and keeps only its tail.
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post_stream(self, path: str, body: bytes) -> bytes:
+        """POST and read the whole chunked response; returns its last 1 KiB."""
+        request = (b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
+                   b"content-length: %d\r\n\r\n%s"
+                   % (path.encode(), self.host.encode(), len(body), body))
+        while True:
+            fresh = self.writer is None
+            if self.writer is None:
+                self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+            assert self.reader is not None
+            try:
+                self.writer.write(request)
+                head = await self.reader.readuntil(b"\r\n\r\n")
+                break
+            except (asyncio.IncompleteReadError, ConnectionError):
+                await self.close()  # the server closed an idle keep-alive connection
+                if fresh:
+                    raise
+        if not head.startswith(b"HTTP/1.1 200"):
+            status = head.split(b"\r\n", 1)[0]
+            raise RuntimeError(f"server answered {status!r}")
+        if b"chunked" not in head.lower():
+            raise RuntimeError("expected a chunked (streamed) response")
+        tail = b""
+        while not tail.endswith(b"0\r\n\r\n"):
+            data = await self.reader.read(65536)
+            if not data:
+                raise RuntimeError("the server closed the connection mid-response")
+            tail = (tail + data)[-1024:]
+        return tail
+
+    async def close(self) -> None:
+        writer, self.writer, self.reader = self.writer, None, None
+        if writer is not None:
+            writer.close()
+            try:
+                await writer.wait_closed()
+            except ConnectionError:
+                pass
+
+
+class HttpSide:
+    """The workload through a `sluice backend --model tiny` subprocess, streamed over SSE."""
+
+    def __init__(self, concurrency: int) -> None:
+        self.concurrency = concurrency
+        self.idle: list[_Connection] = []
+
+    async def __aenter__(self) -> Self:
+        import httpx
+
+        self.port = _free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sluice.cli", "backend", "--model", "tiny",
+             "--port", str(self.port), "--log-level", "warning"],
+            cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.port}") as client:
+                await _wait_ready(client, self.proc)
+        except BaseException:
+            await self.__aexit__()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for conn in self.idle:
+            await conn.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    async def one(self, job: Job) -> int:
+        body = json.dumps({"prompt": job.prompt, "max_tokens": job.max_tokens, "stream": True,
+                           "temperature": 0, "ignore_eos": True,
+                           "stream_options": {"include_usage": True}}).encode()
+        conn = self.idle.pop() if self.idle else _Connection("127.0.0.1", self.port)
+        tail = await conn.post_stream("/v1/completions", body)
+        self.idle.append(conn)
+        usage = tail.rsplit(b"data: ", 2)[-2]  # the usage event, just before [DONE]
+        return int(json.loads(usage.split(b"\r\n", 1)[0])["usage"]["completion_tokens"])
+
+
+async def _wait_ready(client: Any, proc: subprocess.Popen[bytes]) -> None:
+    import httpx
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode() if proc.stderr else ""
+            raise RuntimeError(f"the server exited: {err[-2000:]}")
+        try:
+            if (await client.get("/health")).status_code == 200:
+                return
+        except httpx.HTTPError:  # not listening yet
+            pass
+        await asyncio.sleep(0.2)
+    raise RuntimeError("the server did not become ready")
+
+
+async def run_http_bench(quick: bool) -> dict[str, float]:
+    """Tokens/s of the workload on each side and their ratio.
+
+    The sides alternate for several rounds and each keeps its best round, so that noise
+    from other processes on the machine hits both alike.
+    """
+    n, concurrency, rounds = (48, 16, 2) if quick else (128, 24, 3)
+    jobs = make_workload(n)
+    warmup = make_workload(concurrency, seed=99)
+    best = {"direct": 0.0, "http": 0.0}
+    tokens: set[int] = set()
+    async with DirectSide() as direct, HttpSide(concurrency) as http:
+        sides: dict[str, DirectSide | HttpSide] = {"direct": direct, "http": http}
+        for side in sides.values():
+            await _closed_loop(warmup, concurrency, side.one)
+        for _ in range(rounds):
+            for name, side in sides.items():
+                count, seconds = await _closed_loop(jobs, concurrency, side.one)
+                tokens.add(count)
+                best[name] = max(best[name], count / seconds)
+    if len(tokens) != 1:
+        raise RuntimeError(f"the sides generated different token counts: {sorted(tokens)}")
+    return {
+        "direct_tokens_per_s": round(best["direct"], 1),
+        "http_tokens_per_s": round(best["http"], 1),
+        "http_over_direct_tokens_per_s": round(best["http"] / best["direct"], 3),
+    }
+
+
+def run_loop_factory() -> Any:
+    """uvloop when installed, as the server itself uses (uvicorn's loop="auto")."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+if __name__ == "__main__":
+    with asyncio.Runner(loop_factory=run_loop_factory()) as runner:
+        result = runner.run(run_http_bench("--quick" in sys.argv))
+    print(json.dumps(result, indent=2))

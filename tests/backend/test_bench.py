@@ -1,0 +1,74 @@
+"""Smoke test of the engine bench: every piece runs on a tiny config and yields every key.
+
+No timing is asserted (ratios on a shared CI machine are not a pass/fail signal); the
+bench itself prints and checks targets.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from backend.bench import __main__ as bench_main
+from backend.bench.settings import TEST
+from backend.bench.workload import (
+    WorkloadSpec,
+    make_requests,
+    percentile,
+    with_arrivals,
+)
+
+TARGET_KEYS = (
+    "continuous_vs_static_tokens_per_s",
+    "static_over_continuous_p99_ttft",
+    "continuous_vs_hf_generate_tokens_per_s",
+    "decode_step_over_roofline",
+    "prefix_cache_ttft_speedup",
+)
+
+
+def test_workload_is_seeded_and_within_bounds() -> None:
+    spec = WorkloadSpec(200, (16, 1024), (8, 512), (4, 1024))
+    a, b = make_requests(spec, seed=3), make_requests(spec, seed=3)
+    assert a == b
+    assert a != make_requests(spec, seed=4)
+    assert all(16 <= len(r.prompt_token_ids) <= 1024 and 8 <= r.max_tokens <= 512 for r in a)
+    assert all(4 <= t < 1024 for r in a for t in r.prompt_token_ids)
+    # log-uniform: the median is far below the midpoint (heavy tail)
+    assert percentile([len(r.prompt_token_ids) for r in a], 50) < 300
+    timed = with_arrivals(a, rate=10.0, seed=1)
+    arrivals = [r.arrival for r in timed]
+    assert arrivals[0] == 0.0 and arrivals == sorted(arrivals)
+    assert 10 < arrivals[-1] < 30  # 199 gaps of mean 0.1 s
+
+
+def test_percentile_matches_linear_interpolation() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+    assert percentile(list(map(float, range(101))), 99) == 99.0
+    assert math.isnan(percentile([], 50))
+
+
+def test_bench_cli_writes_every_key_finite(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(bench_main, "QUICK", TEST)
+    out = tmp_path / "bench.json"
+    assert bench_main.main(["--quick", "--dtype", "float32", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    for key in TARGET_KEYS:
+        assert key in data, key
+    roof = data["decode_step_over_roofline"]
+    assert set(roof) == {"1", "8", "32"}
+    values = [data[k] for k in TARGET_KEYS if k != "decode_step_over_roofline"]
+    values += list(roof.values())
+    for v in values:
+        assert isinstance(v, float) and math.isfinite(v) and v > 0, data
+    details = data["details"]
+    assert details["runs"]["continuous"]["output_tokens"] == \
+        details["workload"]["output_tokens"]
+    table = capsys.readouterr().out
+    assert "continuous vs static" in table and "roofline" in table
