@@ -63,7 +63,11 @@ class DecodeGroup:
     token_indices: torch.Tensor | None  # [B] int64 otherwise
     block_ids: torch.Tensor  # [B * blocks_per_seq] int64; short tables padded with block 0
     blocks_per_seq: int
-    mask: torch.Tensor  # [B, 1, 1, L] bool: True for key positions < context length
+    mask: torch.Tensor  # [1, B, 1, L] bool: True for key positions < context length
+    # block_ids offset per KV head into the [kv_heads * num_blocks, ...] view of a cache,
+    # so one dim-0 gather yields [kv_heads, B, L, D] contiguous (computed at first use:
+    # every layer's cache has the same shape).
+    flat_ids: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -174,7 +178,7 @@ def _decode_group(
         token_indices=None if contiguous else torch.tensor(tokens).to(device),
         block_ids=torch.tensor(flat, dtype=torch.int64).to(device),
         blocks_per_seq=width,
-        mask=visible.view(n, 1, 1, -1).to(device),
+        mask=visible.view(1, n, 1, -1).to(device),
     )
 
 
@@ -216,38 +220,41 @@ def _decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
     scale: float, out: torch.Tensor, ws: Workspace,
 ) -> None:
-    kv_heads, _, block_size, dim = k_cache.shape
+    kv_heads, num_blocks, block_size, dim = k_cache.shape
     n, num_heads = group.num_seqs, q.shape[1]
     groups = num_heads // kv_heads
     length = group.blocks_per_seq * block_size
-    # [kv_heads, B*blocks, bs, D] is [kv_heads, B, L, D]; SDPA takes the permuted view.
-    keys = _gather(k_cache, group.block_ids, ws, "k").view(kv_heads, n, length, dim)
-    values = _gather(v_cache, group.block_ids, ws, "v").view(kv_heads, n, length, dim)
+    if group.flat_ids is None:
+        heads = torch.arange(kv_heads, device=k_cache.device).unsqueeze(1) * num_blocks
+        group.flat_ids = (heads + group.block_ids.unsqueeze(0)).view(-1)
+    # SDPA's batch dims are (kv_heads, B): the gathered K/V are contiguous as they are.
+    keys = _gather(k_cache, group.flat_ids, ws, "k").view(kv_heads, n, length, dim)
+    values = _gather(v_cache, group.flat_ids, ws, "v").view(kv_heads, n, length, dim)
     rng, idx = group.token_range, group.token_indices  # invariant: exactly one is set
     q_dec = q[rng[0]:rng[1]] if rng is not None else q.index_select(0, cast(torch.Tensor, idx))
     # Query head h uses KV head h // groups (HF repeat_kv order): fold the groups into
     # query rows, so K/V are read once per KV head and never expanded.
+    q_dec = q_dec.view(n, kv_heads, groups, dim).transpose(0, 1).to(keys.dtype)
     o = F.scaled_dot_product_attention(
-        q_dec.view(n, kv_heads, groups, dim).to(keys.dtype),
-        keys.permute(1, 0, 2, 3), values.permute(1, 0, 2, 3),
-        attn_mask=group.mask, scale=scale,
-    )  # [B, kv_heads, G, D]
+        q_dec, keys, values, attn_mask=group.mask, scale=scale,
+    ).transpose(0, 1)  # [B, kv_heads, G, D]
     if rng is not None:
         out[rng[0]:rng[1]].view(n, kv_heads, groups, dim).copy_(o)
     else:
         out.index_copy_(0, cast(torch.Tensor, idx), o.reshape(n, -1).to(out.dtype))
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor, ws: Workspace,
+def _gather(cache: torch.Tensor, flat_ids: torch.Tensor, ws: Workspace,
             name: str) -> torch.Tensor:
-    """cache[:, block_ids] -> [kv_heads, len(block_ids), bs, D], into scratch.
+    """Blocks ``flat_ids`` of the [kv_heads * num_blocks, bs, D] view, into scratch.
 
+    A dim-0 gather copies whole blocks (~4x faster on CPU than gathering along dim 1).
     bf16 and fp32 stay as they are (CPU SDPA handles them well); fp16 SDPA on CPU is
     ~6x slower than fp32, so fp16 is widened.
     """
-    heads, _, block_size, dim = cache.shape
-    shape = (heads, block_ids.numel(), block_size, dim)
-    native = torch.index_select(cache, 1, block_ids,
+    heads, num_blocks, block_size, dim = cache.shape
+    shape = (flat_ids.numel(), block_size, dim)
+    native = torch.index_select(cache.view(heads * num_blocks, block_size, dim), 0, flat_ids,
                                 out=ws.get(name, shape, cache.dtype, cache.device))
     if cache.dtype != torch.float16 or cache.device.type != "cpu":
         return native

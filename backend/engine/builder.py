@@ -83,6 +83,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
     path, name = resolve_model_path(config)
     loaded = load_model(path, dtype, device)
     mcfg = loaded.config
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        loaded.model.enable_fp32_matmuls()
     tokenizer = Tokenizer.from_dir(path)
     versions = ResolvedVersions(
         model=name,

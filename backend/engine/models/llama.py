@@ -20,19 +20,18 @@ from torch import nn
 from ..attention import AttentionBatch, Workspace, paged_attention, write_kv
 from ..model_config import ModelConfig
 
-# Below this many rows a half-precision matmul is memory-bound and fine as is; above it
-# CPU bf16/fp16 GEMM (no hardware support) runs ~4x slower than fp32, so upcasting the
-# weight on the fly and multiplying in fp32 wins even counting the conversion.
-_UPCAST_MIN_ROWS = 4
+# On CPUs without bf16/fp16 hardware a one-row half-precision matmul is memory-bound and
+# as fast as it gets (half the bytes of fp32), but from two rows up the half GEMM kernels
+# run ~4x slower than fp32. So half-precision models on the CPU keep a float32 copy of
+# every matmul weight (``enable_fp32_matmuls``) for steps with two or more rows.
+_FP32_MIN_ROWS = 2
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            ws: Workspace) -> torch.Tensor:
-    if x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu" \
-            and x.shape[0] >= _UPCAST_MIN_ROWS:
-        w32 = ws.get("w32", tuple(weight.shape), torch.float32, x.device).copy_(weight)
+            weight32: torch.Tensor | None) -> torch.Tensor:
+    if weight32 is not None and x.shape[0] >= _FP32_MIN_ROWS:
         b32 = bias.float() if bias is not None else None
-        return F.linear(x.float(), w32, b32).to(x.dtype)
+        return F.linear(x.float(), weight32, b32).to(x.dtype)
     return F.linear(x, weight, bias)
 
 
@@ -174,6 +173,8 @@ class LlamaAttention(_Fused):
                          config.hidden_size, config.attention_bias, dtype, device)
         self.o_proj = _Proj()
         self.o_proj.weight = _param((config.hidden_size, q), dtype, device)
+        self.qkv_w32: torch.Tensor | None = None  # see enable_fp32_matmuls
+        self.o_w32: torch.Tensor | None = None
         if config.o_proj_bias:
             self.o_proj.bias = _param((config.hidden_size,), dtype, device)
 
@@ -181,14 +182,14 @@ class LlamaAttention(_Fused):
                 v_cache: torch.Tensor) -> torch.Tensor:
         t, ws = x.shape[0], step.ws
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = _linear(x, self.qkv_weight, self.qkv_bias, ws)
+        qkv = _linear(x, self.qkv_weight, self.qkv_bias, self.qkv_w32)
         # q and k are adjacent columns, so one rotary pass covers both.
         qk = step.rope.rotate(qkv[:, :(h + hkv) * d].view(t, h + hkv, d), step.cos, step.sin)
         q, k = qk[:, :h], qk[:, h:]
         v = qkv[:, (h + hkv) * d:].view(t, hkv, d)
         write_kv(k_cache, v_cache, k, v, step.batch)
         out = paged_attention(q, k, v, k_cache, v_cache, step.batch, self.scale, ws)
-        return _linear(out, self.o_proj.weight, self.o_proj.bias, ws)
+        return _linear(out, self.o_proj.weight, self.o_proj.bias, self.o_w32)
 
 
 class LlamaMLP(_Fused):
@@ -201,11 +202,13 @@ class LlamaMLP(_Fused):
                          config.hidden_size, False, dtype, device)
         self.down_proj = _Proj()
         self.down_proj.weight = _param((config.hidden_size, inter), dtype, device)
+        self.gate_up_w32: torch.Tensor | None = None  # see enable_fp32_matmuls
+        self.down_w32: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, ws: Workspace) -> torch.Tensor:
-        gate_up = _linear(x, self.gate_up_weight, None, ws)
+        gate_up = _linear(x, self.gate_up_weight, None, self.gate_up_w32)
         act = F.silu(gate_up[:, :self.inter]).mul_(gate_up[:, self.inter:])
-        return _linear(act, self.down_proj.weight, None, ws)
+        return _linear(act, self.down_proj.weight, None, self.down_w32)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -249,6 +252,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.workspace = Workspace()  # scratch shared by all layers; one forward at a time
         self.model = LlamaModel(config, dtype, device)
+        self.lm_head_w32: torch.Tensor | None = None
         if not config.tie_word_embeddings:
             self.lm_head = _Proj()
             self.lm_head.weight = _param((config.vocab_size, config.hidden_size), dtype, device)
@@ -273,13 +277,25 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
-        return _linear(hidden, self.lm_head_weight, None, self.workspace).float()
+        return _linear(hidden, self.lm_head_weight, None, self.lm_head_w32).float()
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
         if self.config.tie_word_embeddings:
             return self.model.embed_tokens.weight
         return self.lm_head.weight
+
+    @torch.no_grad()
+    def enable_fp32_matmuls(self) -> None:
+        """Keep float32 copies of the matmul weights for multi-row steps (CPU, half
+        dtypes): costs twice the half-precision weight memory again."""
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_w32 = attn.qkv_weight.float()
+            attn.o_w32 = attn.o_proj.weight.float()
+            mlp.gate_up_w32 = mlp.gate_up_weight.float()
+            mlp.down_w32 = mlp.down_proj.weight.float()
+        self.lm_head_w32 = self.lm_head_weight.float()
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """HF-named standalone tensors (no shared storage), ready for safetensors."""

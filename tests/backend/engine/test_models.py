@@ -92,10 +92,15 @@ def test_sharded_checkpoint_loads_and_matches(tmp_path: Path) -> None:
     _close(ours, hf_logits(hf, toks))
 
 
+@pytest.mark.parametrize("fp32_matmuls", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_close_to_fp32(tmp_path: Path, dtype: torch.dtype) -> None:
+def test_half_precision_close_to_fp32(tmp_path: Path, dtype: torch.dtype,
+                                      fp32_matmuls: bool) -> None:
     hf = save_hf_checkpoint("llama3", tmp_path, seed=9)
     loaded = load_model(tmp_path, dtype, torch.device("cpu"))
+    if fp32_matmuls:  # what the engine does for half dtypes on the CPU
+        loaded.model.enable_fp32_matmuls()
+        assert loaded.model.lm_head_w32 is not None
     assert loaded.model.model.embed_tokens.weight.dtype == dtype
     toks = _tokens(30, 8)
     ref = hf_logits(hf, toks)
