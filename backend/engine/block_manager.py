@@ -125,7 +125,8 @@ class BlockManager:
         """Give a block-less sequence the ``cached`` prefix blocks plus fresh blocks so that
         it can hold ``num_tokens`` tokens, leaving at least ``reserve`` blocks free.
         All or nothing."""
-        assert not seq.block_table, "allocate() is for sequences without blocks"
+        if seq.block_table:
+            raise RuntimeError(f"{seq.request_id} already holds blocks; use ensure()")
         new = self.blocks_needed(num_tokens) - len(cached)
         revived = sum(1 for b in cached if self.ref_counts[b] == 0)
         if new + revived > self.num_free_blocks - reserve:

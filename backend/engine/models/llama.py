@@ -205,7 +205,7 @@ class LlamaMLP(_Fused):
         self.gate_up_w32: torch.Tensor | None = None  # see enable_fp32_matmuls
         self.down_w32: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, ws: Workspace) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = _linear(x, self.gate_up_weight, None, self.gate_up_w32)
         act = F.silu(gate_up[:, :self.inter]).mul_(gate_up[:, self.inter:])
         return _linear(act, self.down_proj.weight, None, self.down_w32)
@@ -224,7 +224,7 @@ class LlamaDecoderLayer(nn.Module):
                 v_cache: torch.Tensor) -> torch.Tensor:
         # h is owned by the forward pass (fresh per step), so residual adds go in place.
         h += self.self_attn(self.input_layernorm(h), step, k_cache, v_cache)
-        h += self.mlp(self.post_attention_layernorm(h), step.ws)
+        h += self.mlp(self.post_attention_layernorm(h))
         return h
 
 
