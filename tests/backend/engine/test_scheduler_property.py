@@ -81,6 +81,12 @@ class Harness:
             self.live.pop(rid)
         self.sch.abort("never-existed")  # no-op
 
+    def finish_early(self, index: int) -> None:
+        """A running request stops (EOS, stop string) before its max_tokens."""
+        running = [s for s in self.sch.running if s.request_id in self.live]
+        if running:
+            self.finish(running[index % len(running)], FinishReason.STOP)
+
     def preempt(self, index: int) -> None:
         if self.sch.running:
             self.sch.preempt(self.sch.running[index % len(self.sch.running)])
@@ -109,11 +115,12 @@ op_st = st.one_of(
     st.tuples(st.just("step"), st.integers(0, 2)),
     st.tuples(st.just("step"), st.integers(0, 2)),
     st.tuples(st.just("abort"), st.integers(0, 50)),
+    st.tuples(st.just("finish"), st.integers(0, 50)),
     st.tuples(st.just("preempt"), st.integers(0, 50)),
 )
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     ops=st.lists(op_st, min_size=1, max_size=80),
     num_blocks=st.integers(8, 24),
@@ -132,6 +139,8 @@ def test_random_event_streams_keep_blocks_consistent(ops, num_blocks, max_seqs, 
             h.step(op[1])
         elif kind == "abort":
             h.abort(op[1])
+        elif kind == "finish":
+            h.finish_early(op[1])
         else:
             h.preempt(op[1])
         h.check()
