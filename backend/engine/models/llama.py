@@ -20,18 +20,26 @@ from torch import nn
 from ..attention import AttentionBatch, Workspace, paged_attention, write_kv
 from ..model_config import ModelConfig
 
-# On CPUs without bf16/fp16 hardware a one-row half-precision matmul is memory-bound and
-# as fast as it gets (half the bytes of fp32), but from two rows up the half GEMM kernels
-# run ~4x slower than fp32. So half-precision models on the CPU keep a float32 copy of
-# every matmul weight (``enable_fp32_matmuls``) for steps with two or more rows.
-_FP32_MIN_ROWS = 2
+# CPU matmul kernels at decode shapes (measured on an AVX2 CPU without bf16 hardware,
+# the bench model's matmuls, 2 threads): a half-precision matmul is memory-bound and
+# fastest for few rows (half the bytes of fp32) but its GEMM kernels fall ~4x behind fp32
+# as rows grow; the two cost the same at 8 rows. So half-precision models on the CPU keep
+# a float32 copy of every matmul weight (``enable_fp32_matmuls``) for steps with 8 or more
+# rows. fp32 GEMM has a slow path at 2-3 rows (slower than 4): those are padded to 4.
+_FP32_MIN_ROWS = 8
+_FP32_PAD_ROWS = 4
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             weight32: torch.Tensor | None) -> torch.Tensor:
-    if weight32 is not None and x.shape[0] >= _FP32_MIN_ROWS:
+    rows = x.shape[0]
+    if weight32 is not None and rows >= _FP32_MIN_ROWS:
         b32 = bias.float() if bias is not None else None
         return F.linear(x.float(), weight32, b32).to(x.dtype)
+    if 1 < rows < _FP32_PAD_ROWS and x.dtype == torch.float32 and x.device.type == "cpu":
+        padded = x.new_zeros((_FP32_PAD_ROWS, x.shape[1]))
+        padded[:rows] = x
+        return F.linear(padded, weight, bias)[:rows]
     return F.linear(x, weight, bias)
 
 
