@@ -103,11 +103,15 @@ def run_bench(settings: BenchSettings, device: str = "cpu", dtype: str = "bfloat
         ratios: dict[str, float] = {}
         steps: dict[str, dict[str, float]] = {}
         for b in ROOFLINE_BATCHES:
+            # The machine is measured again right before each step timing: a shared VM's
+            # speed drifts by tens of percent within minutes.
+            here = roofline.measure_machine(dev, torch_dtype, settings.name != "full")
             t, ctx = roofline.decode_step_s(parts, b, settings.roofline_ctx,
                                             settings.roofline_steps, w.token_id_range)
-            roof = roofline.roofline_s(spec, torch_dtype, b, ctx, machine)
+            roof = roofline.roofline_s(spec, torch_dtype, b, ctx, here)
             ratios[str(b)] = t / roof
-            steps[str(b)] = {"step_ms": t * 1e3, "roofline_ms": roof * 1e3, "context": ctx}
+            steps[str(b)] = {"step_ms": t * 1e3, "roofline_ms": roof * 1e3, "context": ctx,
+                             "copy_gbps": here.copy_gbps, "matmul_gflops": here.matmul_gflops}
         progress("decode/roofline: " + ", ".join(f"B={b} {r:.2f}" for b, r in ratios.items()))
 
         # 3. Prefix cache on (this engine) vs off (a fresh one).
