@@ -39,6 +39,9 @@ def _add_server_flags(p: argparse.ArgumentParser, *, model_default: str | None) 
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length cap (default: the model's)")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable the prefix cache")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads for the model's math (default: one per core); use 1 "
+                        "when other busy processes share the cores")
     p.add_argument("--seed", type=int, default=0, help="seed for unseeded sampled requests")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="largest request body accepted (default 4 MiB; larger gets 413)")
@@ -66,7 +69,8 @@ def _run_backend(args: argparse.Namespace, *, announce: bool) -> int:
             block_size=args.block_size, kv_memory_gib=args.kv_memory, kv_blocks=args.kv_blocks,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache,
-            seed=args.seed, served_model_name=args.served_model_name)
+            seed=args.seed, served_model_name=args.served_model_name,
+            num_threads=args.threads)
         engine = AsyncEngine.from_config(config)
     except (EngineError, OSError) as exc:
         print(f"sluice backend: cannot start: {exc}", file=sys.stderr)

@@ -25,3 +25,8 @@ def test_unknown_command_fails_with_usage() -> None:
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "invalid choice" in proc.stderr
+
+
+def test_backend_refuses_a_bad_thread_count(capsys) -> None:
+    assert main(["backend", "--model", "tiny", "--threads", "0"]) == 2
+    assert "num_threads must be >= 1" in capsys.readouterr().err

@@ -80,6 +80,9 @@ def resolve_model_path(config: EngineConfig) -> tuple[Path, str]:
 def build_engine(config: EngineConfig) -> EngineParts:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    if config.num_threads is not None:
+        # Process-wide: the engine owns its process's CPU math (server, bench).
+        torch.set_num_threads(config.num_threads)
     path, name = resolve_model_path(config)
     loaded = load_model(path, dtype, device)
     mcfg = loaded.config

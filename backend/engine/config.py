@@ -23,6 +23,7 @@ class EngineConfig:
     seed: int = 0  # seeds unseeded requests' generators, so a run is repeatable
     cache_dir: str | None = None  # where "tiny" is built; default ~/.cache/sluice
     static_batching: bool = False  # benchmark baseline: form a batch, run it to completion
+    num_threads: int | None = None  # CPU: torch intra-op threads (None: torch's default)
     served_model_name: str | None = None
 
     def __post_init__(self) -> None:
@@ -41,5 +42,7 @@ class EngineConfig:
                                       "max_num_batched_tokens")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidRequestError("max_model_len must be >= 2", "max_model_len")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise InvalidRequestError("num_threads must be >= 1", "num_threads")
         if self.aging_s <= 0:
             raise InvalidRequestError("aging_s must be > 0", "aging_s")

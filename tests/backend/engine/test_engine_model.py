@@ -159,3 +159,18 @@ async def test_abort_with_real_model_frees_everything(tiny_cache_dir):
         assert (st.running, st.waiting) == (0, 0)
         assert st.kv_blocks_free == st.kv_blocks_total
         assert st.aborted == 5 and st.max_tokens_after_abort <= 2
+
+
+def test_num_threads_sets_torch_threads(tiny_cache_dir):
+    import torch
+
+    from backend.engine.errors import InvalidRequestError
+
+    before = torch.get_num_threads()
+    try:
+        make(tiny_cache_dir, num_threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(InvalidRequestError):
+        EngineConfig(num_threads=0)
