@@ -111,7 +111,9 @@ def _generation_route(kind: str) -> Handler:
             raise Unavailable("the server is shutting down")
         body = await read_json(request, request.app.state.settings.max_body_bytes)
         prepared = service.prepare("chat" if kind == "chat" else "completion", body, None)
-        prepared.request_id = service.claim_id(request.scope["state"].get("client_request_id"))
+        # The x-request-id the response carries (the client's, or the one made for it)
+        # names the engine request too, made unique if the same id is in flight.
+        prepared.request_id = service.claim_id(request.scope["state"]["request_id"])
         return _AsResponse(GenerationResponse(service, prepared))
 
     handler.__name__ = f"{kind}_completions"

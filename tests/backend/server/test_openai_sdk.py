@@ -150,3 +150,5 @@ def test_request_id_and_resolved_headers(client: openai.OpenAI) -> None:
     generated = client.chat.completions.with_raw_response.create(
         model=MODEL, messages=MESSAGES, max_tokens=2)
     assert len(generated.headers["x-request-id"]) >= 16
+    # The generated id names the response and the engine request too.
+    assert generated.parse().id == "chatcmpl-" + generated.headers["x-request-id"]
