@@ -90,7 +90,6 @@ class AttentionBatch:
     positions: torch.Tensor  # [T] int64
     slot_mapping: torch.Tensor  # [T] int64: flat cache slot each new token's K/V goes to
     last_token_indices: torch.Tensor  # [S] int64: flat index of each sequence's last new token
-    context_lens: list[int]  # per sequence: num_computed + num_new
     decode: DecodeGroup | None
     prefills: list[PrefillChunk] = field(default_factory=list)
 
@@ -104,7 +103,6 @@ def build_attention_batch(
     positions: list[int] = []
     slots: list[int] = []
     last: list[int] = []
-    ctx_lens: list[int] = []
     dec_tokens: list[int] = []
     dec_tables: list[list[int]] = []
     dec_ctx: list[int] = []
@@ -123,7 +121,6 @@ def build_attention_batch(
             positions.append(pos)
             slots.append(block_table[pos // block_size] * block_size + pos % block_size)
         last.append(len(positions) - 1)
-        ctx_lens.append(ctx)
         if new == 1:
             dec_tokens.append(start)
             dec_tables.append(block_table[:n_blocks])
@@ -152,7 +149,6 @@ def build_attention_batch(
         positions=as_tensor(positions),
         slot_mapping=as_tensor(slots),
         last_token_indices=as_tensor(last),
-        context_lens=ctx_lens,
         decode=decode,
         prefills=prefills,
     )

@@ -28,23 +28,22 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Run one step; return float32 CPU logits for the chunks that sample, in order."""
         input_ids: list[int] = []
-        positions: list[int] = []
-        last: list[int] = []
         specs: list[tuple[list[int], int, int]] = []
-        for chunk in chunks:
+        sampling: list[int] = []
+        for i, chunk in enumerate(chunks):
             seq, start, n = chunk.seq, chunk.start, chunk.num_new_tokens
             input_ids.extend(seq.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
             specs.append((seq.block_table, start, n))
             if chunk.samples:
-                last.append(len(input_ids) - 1)
+                sampling.append(i)
         dev = self.device
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
         batch = build_attention_batch(specs, self.block_size, dev)
-        hidden = self.model(ids_t, pos_t, self.kv_caches, batch)
-        if not last:
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        hidden = self.model(ids_t, batch.positions, self.kv_caches, batch)
+        if not sampling:
             return torch.empty(0, 0)
-        idx = torch.tensor(last, dtype=torch.long, device=dev)
-        logits = self.model.compute_logits(hidden.index_select(0, idx))
+        last = batch.last_token_indices
+        if len(sampling) < len(chunks):  # chunks mid-prefill yield no logits
+            last = last.index_select(0, torch.tensor(sampling, dtype=torch.long, device=dev))
+        logits = self.model.compute_logits(hidden.index_select(0, last))
         return logits.float().cpu()

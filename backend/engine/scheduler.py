@@ -114,10 +114,6 @@ class Scheduler:
     def get(self, request_id: str) -> Sequence | None:
         return self._by_id.get(request_id)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._by_id)
-
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -74,17 +74,3 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
-
-    @property
-    def in_prefill(self) -> bool:
-        """True while the KV of some already-known token is still to be computed
-        beyond the last one (prompt, or recompute after preemption)."""
-        return self.num_computed_tokens < self.num_tokens - 1
-
-    @property
-    def max_total_tokens(self) -> int:
-        return self.num_prompt_tokens + self.params.max_tokens

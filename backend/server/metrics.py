@@ -115,9 +115,9 @@ class ServerMetrics:
         metric("num_requests_waiting", "gauge", "Requests queued in the engine.", state.waiting)
         metric("num_requests_inflight", "gauge", "HTTP generation requests in flight.", inflight)
         metric("preemptions_total", "counter", "Preemptions by recompute.", state.preemptions)
-        metric("prefix_cache_queries_total", "counter", "Prefix-cache lookups (blocks).",
+        metric("prefix_cache_queries_total", "counter", "Admissions that looked the prefix cache up.",
                state.prefix_cache_queries)
-        metric("prefix_cache_hits_total", "counter", "Prefix-cache hits (blocks).",
+        metric("prefix_cache_hits_total", "counter", "Admissions that reused at least one cached block.",
                state.prefix_cache_hits)
         metric("prefix_cache_query_tokens_total", "counter", "Prompt tokens looked up.",
                state.prefix_cache_query_tokens)
