@@ -1,4 +1,4 @@
-"""Subcommands of the bundled model server (`sluice backend`, `sluice up`).
+"""Subcommand of the bundled model server (`sluice backend`); `sluice up` is the gateway's.
 
 Heavy imports (torch, uvicorn, starlette) happen inside the command functions, so that
 building the `sluice` parser stays cheap.
@@ -102,17 +102,8 @@ def _backend(args: argparse.Namespace) -> int:
     return _run_backend(args, announce=False)
 
 
-def _up(args: argparse.Namespace) -> int:
-    # Until the gateway lands, the embedded default is the bundled backend alone.
-    return _run_backend(args, announce=True)
-
-
 def register(sub: Any) -> None:
-    """Add the backend's subcommands to the `sluice` parser."""
+    """Add the backend's subcommand to the `sluice` parser."""
     p = sub.add_parser("backend", help="run the bundled OpenAI-compatible model server")
     _add_server_flags(p, model_default=None)
     p.set_defaults(func=_backend)
-
-    up = sub.add_parser("up", help="embedded default: the bundled backend with the tiny model")
-    _add_server_flags(up, model_default="tiny")
-    up.set_defaults(func=_up)

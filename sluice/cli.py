@@ -27,8 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Each part adds its own subcommands; their modules import heavy code lazily.
     from backend.cli import register as register_backend
+    from gateway.cli import register as register_gateway
+    from loadtest.cli import register as register_loadtest
 
     register_backend(sub)
+    register_gateway(sub)
+    register_loadtest(sub)
     return parser
 
 

@@ -22,6 +22,8 @@ Number = float
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: StrictBool | None = False
+    # vLLM's extension: usage (running counts) on every chunk, when include_usage is set
+    continuous_usage_stats: StrictBool | None = False
 
 
 class _GenerationRequest(BaseModel):
@@ -65,6 +67,11 @@ class _GenerationRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options
+                                           and self.stream_options.continuous_usage_stats)
 
     def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
         """Engine parameters; raises the engine's InvalidRequestError for bad values."""

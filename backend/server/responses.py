@@ -151,7 +151,8 @@ class GenerationResponse:
                         return
                     if delta.text:  # an empty delta holds back a partial character or stop
                         await raw_send({"type": "http.response.body",
-                                        "body": enc.text(delta.text), "more_body": True})
+                                        "body": enc.text(delta.text, delta),
+                                        "more_body": True})
         except (EngineError, ApiError) as exc:
             failure = exc if isinstance(exc, ApiError) else from_engine_error(exc)
             body = error_event(failure.message, failure.type, failure.code, failure.status)

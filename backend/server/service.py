@@ -38,6 +38,7 @@ class Prepared:
     include_usage: bool
     model: str
     fingerprint: str
+    continuous_usage: bool = False  # usage on every chunk (stream_options)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -151,6 +152,7 @@ class ModelService:
             kind=kind, request_id=request_id or "", prompt_ids=prompt_ids, params=params,
             priority=req.priority or 0, cache_salt=req.cache_salt or None,
             stream=bool(req.stream), include_usage=req.include_usage,
+            continuous_usage=req.continuous_usage,
             model=self.model_name, fingerprint=self.fingerprint)
 
     # ---- generation ---------------------------------------------------------------------

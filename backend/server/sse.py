@@ -33,7 +33,7 @@ def event(obj: dict[str, Any]) -> bytes:
 class ChunkEncoder:
     """SSE events for one streamed request (chat or completion)."""
 
-    __slots__ = ("_envelope", "_head", "_tail", "p")
+    __slots__ = ("_envelope", "_head", "_tail", "_tail_open", "p")
 
     def __init__(self, p: Prepared) -> None:
         self.p = p
@@ -53,6 +53,7 @@ class ChunkEncoder:
         else:
             head = env + ',"choices":[{"index":0,"text":'
             tail = ',"logprobs":null,"finish_reason":null}]'
+        self._tail_open = tail.encode()  # for continuous usage: the usage object follows
         if p.include_usage:
             tail += ',"usage":null'
         self._head = b"data: " + head.encode()
@@ -64,22 +65,27 @@ class ChunkEncoder:
             return None
         return self._chunk({"role": "assistant", "content": ""}, None)
 
-    def text(self, text: str) -> bytes:
+    def text(self, text: str, delta: OutputDelta | None = None) -> bytes:
+        if delta is not None and self.p.continuous_usage:
+            return (self._head + dumps(text).encode() + self._tail_open + b',"usage":'
+                    + dumps(usage(delta)).encode() + b"}\n\n")
         return self._head + dumps(text).encode() + self._tail
 
     def final(self, delta: OutputDelta) -> bytes:
         """The last content chunk (with finish_reason), the usage chunk if asked, [DONE]."""
         reason = delta.finish_reason
+        running = delta if self.p.continuous_usage else None
         if self.p.kind == "chat":
             body = {"content": delta.text} if delta.text else {}
-            out = self._chunk(body, reason)
+            out = self._chunk(body, reason, running)
         else:
-            out = self._chunk(delta.text, reason)
+            out = self._chunk(delta.text, reason, running)
         if self.p.include_usage:
             out += event({**self._envelope, "choices": [], "usage": usage(delta)})
         return out + DONE
 
-    def _chunk(self, content: object, reason: str | None) -> bytes:
+    def _chunk(self, content: object, reason: str | None,
+               running: OutputDelta | None = None) -> bytes:
         if self.p.kind == "chat":
             choice: dict[str, Any] = {"index": 0, "delta": content, "logprobs": None,
                                       "finish_reason": reason}
@@ -87,7 +93,7 @@ class ChunkEncoder:
             choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": reason}
         obj: dict[str, Any] = {**self._envelope, "choices": [choice]}
         if self.p.include_usage:
-            obj["usage"] = None
+            obj["usage"] = None if running is None else usage(running)
         return event(obj)
 
 

@@ -1,0 +1,200 @@
+"""The gateway's Starlette app: routes, lifespan, request ids, errors in OpenAI's shape.
+
+The ``Gateway`` (config, keys, upstreams, ledger, metrics) is built in the lifespan and kept
+on ``app.state.gateway``; a background task owned by the lifespan re-reads the upstreams'
+versions every ``refresh_interval_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from .config import GatewayConfig, TenantsFile
+from .errors import GatewayError, InternalError, MethodNotAllowed, NotFound
+from .metrics import CONTENT_TYPE
+from .relay import ProxyEndpoint, header
+from .service import Gateway
+
+log = logging.getLogger("sluice.gateway")
+
+MAX_REQUEST_ID_LEN = 128
+READY_CACHE_S = 1.0
+_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/healthz",
+                     "/readyz", "/metrics"})
+
+
+def clean_request_id(raw: bytes | None) -> str | None:
+    """The client's x-request-id if it is short printable ASCII, else None (we make one)."""
+    if not raw or len(raw) > MAX_REQUEST_ID_LEN:
+        return None
+    try:
+        text = raw.decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    return text if text.isprintable() and text.strip() == text else None
+
+
+class RequestIdMiddleware:
+    """Accepts or makes ``x-request-id``, puts it on every response, counts responses."""
+
+    def __init__(self, app: Any, app_state: Any) -> None:
+        self.app = app
+        self.app_state = app_state
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = clean_request_id(header(scope, b"x-request-id")) or uuid.uuid4().hex
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        rid = (b"x-request-id", request_id.encode())
+        path = scope.get("path", "")
+        route = path if path in _ROUTES else "other"
+
+        async def send_with_id(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), rid]
+                gw: Gateway | None = getattr(self.app_state, "gateway", None)
+                if gw is not None:
+                    gw.metrics.observe_response(route, state.get("tenant", "-"),
+                                                message["status"])
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def error_response(err: GatewayError) -> Response:
+    return Response(err.json_bytes(), status_code=err.status, media_type="application/json",
+                    headers={k.decode(): v.decode() for k, v in err.headers()})
+
+
+def gateway_of(request: Request) -> Gateway:
+    gw: Gateway = request.app.state.gateway
+    return gw
+
+
+async def models(request: Request) -> Response:
+    gw = gateway_of(request)
+    try:
+        tenant = gw.keyring.authenticate(request.headers.get("authorization", "").encode()
+                                         or None)
+    except GatewayError as err:
+        return error_response(err)
+    request.scope["state"]["tenant"] = tenant.id
+    data = []
+    for up in gw.upstreams.values():
+        if not tenant.may_use(up.name):
+            continue
+        item: dict[str, Any] = {"id": up.name, "object": "model", "created": gw.created,
+                                "owned_by": "sluice"}
+        v = up.versions
+        if v is not None:
+            item.update(revision=v.revision, tokenizer=v.tokenizer,
+                        chat_template=v.chat_template, engine=v.engine)
+        if up.max_model_len is not None:
+            item["max_model_len"] = up.max_model_len
+        data.append(item)
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def healthz(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    """Ready when every upstream answers now (probed at most once a second)."""
+    gw = gateway_of(request)
+    state = request.app.state
+    now = time.monotonic()
+    cached = getattr(state, "ready_cache", None)
+    if cached is None or now - cached[0] > READY_CACHE_S:
+        names = list(gw.upstreams)
+        results = await asyncio.gather(*(gw.upstreams[n].probe() for n in names))
+        checks = {n: {"ok": ok, "detail": detail} for n, (ok, detail) in
+                  zip(names, results, strict=True)}
+        checks["store"] = {"ok": True, "detail": "in-memory"}
+        cached = (now, checks)
+        state.ready_cache = cached
+    checks = cached[1]
+    ready = all(c["ok"] for c in checks.values()) and not state.draining
+    return JSONResponse({"status": "ready" if ready else "not_ready", "checks": checks},
+                        status_code=200 if ready else 503)
+
+
+async def metrics(request: Request) -> Response:
+    gw = gateway_of(request)
+    return Response(gw.metrics.render(gw.ledger, gw.upstreams.values()),
+                    media_type=CONTENT_TYPE)
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        return error_response(NotFound(f"no route {request.url.path}"))
+    if exc.status_code == 405:
+        return error_response(MethodNotAllowed(f"{request.method} is not allowed on "
+                                               f"{request.url.path}"))
+    err = GatewayError(str(exc.detail))
+    err.status = exc.status_code
+    return error_response(err)
+
+
+async def _unhandled(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+    return error_response(InternalError(f"internal error ({type(exc).__name__}); "
+                                        f"request id {request.scope['state'].get('request_id')}"))
+
+
+async def _refresh_loop(gw: Gateway, interval: float) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        await gw.refresh_all()
+
+
+def create_app(config: GatewayConfig, tenants: TenantsFile, *,
+               transport: httpx.AsyncBaseTransport | None = None) -> Starlette:
+    """The gateway app; ``transport`` replaces the network for tests."""
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        gw = Gateway(config, tenants, transport)
+        await gw.refresh_all()
+        app.state.gateway = gw
+        refresher = asyncio.ensure_future(_refresh_loop(gw, config.refresh_interval_s))
+        try:
+            yield
+        finally:
+            refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await refresher
+            await gw.aclose()
+
+    routes = [
+        Route("/v1/chat/completions", ProxyEndpoint("chat"), methods=["POST"]),
+        Route("/v1/completions", ProxyEndpoint("completion"), methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: _http_exception, Exception: _unhandled})
+    app.state.draining = False
+    app.state.gateway = None
+    app.add_middleware(RequestIdMiddleware, app_state=app.state)
+    return app

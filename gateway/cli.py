@@ -1,0 +1,300 @@
+"""Subcommands of the gateway: `sluice gateway`, `sluice up`, `sluice hash-key`.
+
+Heavy imports happen inside the command functions so that building the parser stays cheap,
+and the gateway never loads torch (the bundled backend runs in its own process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_BACKEND_PORT = 8001
+BACKEND_START_TIMEOUT_S = 600.0
+# The demo tenants `sluice up` serves when no tenants file is given (configs/tenants.yaml
+# holds the same two, as hashes). Demo keys only: anyone who reads this file knows them.
+DEMO_KEYS = {"alpha": "sk-demo-alpha", "beta": "sk-demo-beta"}
+
+
+def demo_tenants() -> Any:
+    from .config import Caps, PriorityRange, TenantEntry, TenantsFile
+    from .tenants import hash_key
+
+    return TenantsFile(tenants=[
+        TenantEntry(id="alpha", name="Alpha (demo)", keys=[hash_key(DEMO_KEYS["alpha"])],
+                    models=["*"], priority=PriorityRange(min=0, max=10, default=5),
+                    caps=Caps(max_prompt_tokens=8192, max_tokens=1024, on_exceed="clamp")),
+        TenantEntry(id="beta", name="Beta (demo)", keys=[hash_key(DEMO_KEYS["beta"])],
+                    models=["*"], priority=PriorityRange(min=5, max=10, default=8),
+                    caps=Caps(max_prompt_tokens=4096, max_tokens=512, on_exceed="reject")),
+    ])
+
+
+def _serve(app: Any, host: str, port: int, log_level: str, access_log: bool,
+           shutdown_timeout_s: float, on_ready: Any = None) -> int:
+    import asyncio
+
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            access_log=access_log, loop="auto", http="auto",
+                            timeout_graceful_shutdown=shutdown_timeout_s, lifespan="on",
+                            backlog=4096)
+    server = uvicorn.Server(config)
+
+    async def run() -> None:
+        task = asyncio.ensure_future(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started and on_ready is not None:
+            on_ready()
+        await task
+
+    try:
+        if sys.platform != "win32":
+            import uvloop
+
+            uvloop.run(run())
+        else:
+            asyncio.run(run())
+    except KeyboardInterrupt:
+        pass
+    return 0 if server.started else 1
+
+
+def _logging(level: str) -> None:
+    import logging
+
+    logging.basicConfig(level=level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every upstream request at INFO; the gateway logs what matters itself.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    from .app import create_app
+    from .config import load_gateway_config, load_tenants
+    from .errors import ConfigError
+
+    _logging(args.log_level)
+    try:
+        config = load_gateway_config(args.config)
+        if args.host is not None or args.port is not None:
+            listen = config.listen.model_copy(update={
+                k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None})
+            config = config.model_copy(update={"listen": listen})
+        tenants = load_tenants(config.tenants_file)
+        app = create_app(config, tenants)
+    except (ConfigError, ValueError) as exc:
+        print(f"sluice gateway: cannot start: {exc}", file=sys.stderr)
+        return 2
+    host, port = config.listen.host, config.listen.port
+
+    def ready() -> None:
+        print(f"sluice gateway ready at http://{host}:{port}/v1 "
+              f"({len(config.models)} model(s))", flush=True)
+
+    return _serve(app, host, port, args.log_level, args.access_log,
+                  config.shutdown_timeout_s, ready)
+
+
+# ---- sluice up ------------------------------------------------------------------------------
+_BACKEND_FLAGS = ("model", "served_model_name", "device", "dtype", "kv_memory", "kv_blocks",
+                  "max_num_seqs", "max_num_batched_tokens", "max_model_len", "threads", "seed")
+
+
+def _backend_argv(args: argparse.Namespace, port: int) -> list[str]:
+    argv = [sys.executable, "-m", "sluice.cli", "backend", "--host", "127.0.0.1",
+            "--port", str(port), "--log-level", "warning"]
+    for name in _BACKEND_FLAGS:
+        value = getattr(args, name)
+        if value is not None:
+            argv += ["--" + name.replace("_", "-"), str(value)]
+    return argv
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    # Linux: the backend gets SIGTERM if `sluice up` dies without cleaning up (SIGKILL).
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _wait_backend(proc: subprocess.Popen[bytes], url: str, timeout_s: float) -> dict[str, Any]:
+    """Wait until the backend answers /health; returns its /v1/models entry."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the bundled backend exited with status {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                listing = httpx.get(url + "/v1/models", timeout=5.0).json()
+                entry: dict[str, Any] = listing["data"][0]
+                return entry
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"the bundled backend did not become healthy in {timeout_s:.0f} s")
+
+
+def _detect_kind(url: str, name: str) -> str:
+    """`sluice` when the upstream is a bundled backend (it reports resolved versions)."""
+    import httpx
+
+    try:
+        listing = httpx.get(url + "/v1/models", timeout=5.0).json()["data"]
+        for entry in listing:
+            if entry.get("id") == name and isinstance(entry.get("resolved"), dict):
+                return "sluice"
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return "openai"
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=35)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _curl_line(url: str, model: str, key: str) -> str:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}],
+                       "max_tokens": 32})
+    return (f"  curl -s {url}/v1/chat/completions -H 'authorization: Bearer {key}' "
+            f"-H 'content-type: application/json' -d '{body}'")
+
+
+def _up(args: argparse.Namespace) -> int:
+    from .app import create_app
+    from .config import GatewayConfig, Listen, ModelEntry, load_tenants
+    from .errors import ConfigError
+
+    _logging(args.log_level)
+    try:
+        tenants = load_tenants(args.tenants) if args.tenants else demo_tenants()
+    except ConfigError as exc:
+        print(f"sluice up: {exc}", file=sys.stderr)
+        return 2
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        if args.upstream:
+            if not args.model_name:
+                print("sluice up: --upstream needs --model-name (the model's name there)",
+                      file=sys.stderr)
+                return 2
+            upstream = args.upstream.rstrip("/").removesuffix("/v1")
+            name = args.model_name
+            kind = _detect_kind(upstream, name)
+            entry = ModelEntry(name=name, upstream=upstream, kind=kind)  # type: ignore[arg-type]
+        else:
+            backend_url = f"http://127.0.0.1:{args.backend_port}"
+            print(f"starting the bundled backend (model {args.model}) on {backend_url} …",
+                  flush=True)
+            proc = subprocess.Popen(_backend_argv(args, args.backend_port),
+                                    preexec_fn=_die_with_parent if os.name == "posix" else None)
+            info = _wait_backend(proc, backend_url, BACKEND_START_TIMEOUT_S)
+            name = str(info["id"])
+            tokenizer = "local:tiny" if args.model == "tiny" else f"local:{args.model}"
+            entry = ModelEntry(name=name, upstream=backend_url, kind="sluice",
+                               tokenizer=tokenizer)
+        config = GatewayConfig(listen=Listen(host=args.host, port=args.port),
+                               models=[entry], tenants_file=Path(args.tenants or "-"))
+        app = create_app(config, tenants)
+    except (RuntimeError, ValueError, ConfigError) as exc:
+        print(f"sluice up: cannot start: {exc}", file=sys.stderr)
+        if proc is not None:
+            _stop(proc)
+        return 2
+
+    shown = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
+    url = f"http://{shown}:{args.port}"
+
+    def ready() -> None:
+        lines = [f"sluice is up: model {name} at {url}/v1"]
+        if not args.tenants:
+            lines.append("demo tenants (keys): " + ", ".join(
+                f"{t} = {k}" for t, k in DEMO_KEYS.items()))
+            lines.append("try it:")
+            lines.append(_curl_line(url, name, DEMO_KEYS["alpha"]))
+        print("\n".join(lines), flush=True)
+
+    try:
+        return _serve(app, args.host, args.port, args.log_level, args.access_log, 30.0, ready)
+    finally:
+        if proc is not None:
+            _stop(proc)
+
+
+def _hash_key(args: argparse.Namespace) -> int:
+    from .tenants import hash_key
+
+    key = args.key if args.key is not None else sys.stdin.readline().rstrip("\n")
+    if not key:
+        print("sluice hash-key: give a key (argument or one line on stdin)", file=sys.stderr)
+        return 2
+    print(hash_key(key))
+    return 0
+
+
+def register(sub: Any) -> None:
+    """Add the gateway's subcommands to the `sluice` parser."""
+    g = sub.add_parser("gateway", help="run the gateway (production entry point)")
+    g.add_argument("--config", required=True, help="gateway.yaml")
+    g.add_argument("--host", default=None, help="override listen.host")
+    g.add_argument("--port", type=int, default=None, help="override listen.port")
+    g.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--access-log", action="store_true", help="log every request")
+    g.set_defaults(func=_gateway)
+
+    up = sub.add_parser("up", help="embedded default: bundled backend (tiny model) + gateway")
+    up.add_argument("--host", default=DEFAULT_HOST,
+                    help=f"gateway bind address (default {DEFAULT_HOST})")
+    up.add_argument("--port", type=int, default=DEFAULT_PORT,
+                    help=f"gateway port (default {DEFAULT_PORT})")
+    up.add_argument("--backend-port", type=int, default=DEFAULT_BACKEND_PORT,
+                    help=f"bundled backend port on 127.0.0.1 (default {DEFAULT_BACKEND_PORT})")
+    up.add_argument("--tenants", default=None,
+                    help="tenants.yaml (default: the demo tenants alpha and beta)")
+    up.add_argument("--upstream", default=None, metavar="URL",
+                    help="front this OpenAI-compatible server instead of starting the backend")
+    up.add_argument("--model-name", default=None, help="with --upstream: the model's name")
+    up.add_argument("--model", default="tiny",
+                    help="checkpoint directory for the bundled backend, or 'tiny'")
+    up.add_argument("--served-model-name", default=None)
+    up.add_argument("--device", default=None)
+    up.add_argument("--dtype", default=None)
+    up.add_argument("--kv-memory", type=float, default=None, metavar="GiB")
+    up.add_argument("--kv-blocks", type=int, default=None, metavar="N")
+    up.add_argument("--max-num-seqs", type=int, default=None)
+    up.add_argument("--max-num-batched-tokens", type=int, default=None)
+    up.add_argument("--max-model-len", type=int, default=None)
+    up.add_argument("--threads", type=int, default=None)
+    up.add_argument("--seed", type=int, default=None)
+    up.add_argument("--log-level", default="info",
+                    choices=["critical", "error", "warning", "info", "debug"])
+    up.add_argument("--access-log", action="store_true")
+    up.set_defaults(func=_up)
+
+    h = sub.add_parser("hash-key", help="print the sha256:<hex> form of a key for tenants.yaml")
+    h.add_argument("key", nargs="?", default=None, help="the key (default: read from stdin)")
+    h.set_defaults(func=_hash_key)

@@ -1,0 +1,267 @@
+"""The gateway's two YAML files, validated at the edge with pydantic.
+
+``gateway.yaml`` says where to listen and which public model names map to which upstreams;
+``tenants.yaml`` says who may call (keys stored only as SHA-256 hashes) and within which
+limits. Every setting of ``gateway.yaml`` can be overridden by an environment variable
+``SLUICE_<PATH>``, nested keys joined by ``__`` (``SLUICE_LISTEN__PORT=9000``); the value is
+read as YAML, so numbers and booleans keep their types.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import ConfigError
+
+ENV_PREFIX = "SLUICE_"
+_TENANT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_KEY_HASH = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+# Optional request features an upstream may or may not implement. A request that uses one
+# (with a non-default value) on a model whose upstream lacks it gets a 400 naming the field.
+CAPABILITIES = frozenset({
+    "n", "tools", "response_format", "logprobs", "logit_bias", "penalties", "top_k", "min_p",
+    "repetition_penalty", "ignore_eos", "stop_token_ids", "min_tokens", "best_of", "echo",
+    "suffix", "priority", "cache_salt", "continuous_usage_stats", "reasoning_effort",
+    "service_tier", "store", "metadata", "seed", "stop", "user",
+})
+# What the bundled backend implements; what a generic OpenAI-compatible server is assumed
+# to implement unless its entry says otherwise (vLLM and SGLang do all of these).
+SLUICE_CAPABILITIES = frozenset({
+    "top_k", "ignore_eos", "stop_token_ids", "priority", "cache_salt", "continuous_usage_stats",
+    "seed", "stop", "user",
+})
+OPENAI_CAPABILITIES = frozenset({
+    "n", "tools", "response_format", "logprobs", "logit_bias", "penalties", "seed", "stop",
+    "user",
+})
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Listen(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+
+
+class Timeouts(_Strict):
+    connect_s: float = Field(5.0, gt=0)
+    # Longest wait for any byte from the upstream (first byte and gaps between chunks).
+    read_s: float = Field(600.0, gt=0)
+
+
+class StaticVersions(_Strict):
+    """Versions for an upstream that does not report them (any OpenAI-compatible server)."""
+
+    revision: str = "unknown"
+    tokenizer: str = "unknown"
+    chat_template: str | None = None
+    engine: str = "unknown"
+
+
+class ModelEntry(_Strict):
+    name: str = Field(min_length=1, max_length=256)
+    upstream: str
+    kind: Literal["sluice", "openai"] = "openai"
+    upstream_model: str | None = None
+    # auto | upstream (its /v1/tokenize) | bytes (UTF-8 upper bound) | local:PATH | local:tiny
+    tokenizer: str = "auto"
+    versions: StaticVersions | None = None
+    supports: list[str] | None = None
+    api_key_env: str | None = None  # name of the env var holding the upstream's bearer key
+    max_connections: int = Field(1024, ge=1)
+
+    @field_validator("name")
+    @classmethod
+    def _no_at(cls, v: str) -> str:
+        if "@" in v or v != v.strip():
+            raise ValueError("a model name may not contain '@' (it separates the revision pin) "
+                             "or surrounding spaces")
+        return v
+
+    @field_validator("upstream")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not re.match(r"^https?://[^/\s]+", v):
+            raise ValueError("upstream must be an http(s) base URL such as http://127.0.0.1:8001")
+        v = v.rstrip("/")
+        return v[: -len("/v1")] if v.endswith("/v1") else v
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer(cls, v: str) -> str:
+        if v in ("auto", "upstream", "bytes") or (v.startswith("local:") and len(v) > 6):
+            return v
+        raise ValueError("tokenizer must be auto, upstream, bytes, local:PATH or local:tiny")
+
+    @field_validator("supports")
+    @classmethod
+    def _supports(cls, v: list[str] | None) -> list[str] | None:
+        unknown = sorted(set(v or ()) - CAPABILITIES)
+        if unknown:
+            raise ValueError(f"unknown capabilities {unknown}; known: {sorted(CAPABILITIES)}")
+        return v
+
+    @property
+    def capabilities(self) -> frozenset[str]:
+        if self.supports is not None:
+            return frozenset(self.supports)
+        return SLUICE_CAPABILITIES if self.kind == "sluice" else OPENAI_CAPABILITIES
+
+    @property
+    def served_name(self) -> str:
+        return self.upstream_model or self.name
+
+
+class GatewayConfig(_Strict):
+    listen: Listen = Listen()
+    tenants_file: Path = Path("tenants.yaml")
+    models: list[ModelEntry] = Field(min_length=1)
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    refresh_interval_s: float = Field(10.0, gt=0)
+    timeouts: Timeouts = Timeouts()
+    shutdown_timeout_s: float = Field(30.0, ge=0)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> GatewayConfig:
+        names = [m.name for m in self.models]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"model names must be unique; repeated: {dupes}")
+        return self
+
+
+class PriorityRange(_Strict):
+    """Lower is more urgent (vLLM's convention)."""
+
+    min: int = 0
+    max: int = 10
+    default: int = 5
+
+    @model_validator(mode="after")
+    def _ordered(self) -> PriorityRange:
+        if not self.min <= self.default <= self.max:
+            raise ValueError("priority needs min <= default <= max")
+        return self
+
+
+class Caps(_Strict):
+    max_body_bytes: int | None = Field(None, ge=1)
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    # Over the max_tokens cap: refuse with 400, or lower it and say so in x-sluice-clamped.
+    on_exceed: Literal["reject", "clamp"] = "reject"
+
+
+class TenantEntry(_Strict):
+    id: str
+    name: str = ""
+    keys: list[str] = Field(default_factory=list)
+    models: list[str] = Field(default_factory=lambda: ["*"])
+    priority: PriorityRange = PriorityRange()
+    caps: Caps = Caps()
+
+    @field_validator("id")
+    @classmethod
+    def _id(cls, v: str) -> str:
+        if not _TENANT_ID.match(v):
+            raise ValueError("a tenant id is 1-64 letters, digits, '_', '.' or '-'")
+        return v
+
+    @field_validator("keys")
+    @classmethod
+    def _hashed(cls, v: list[str]) -> list[str]:
+        for key in v:
+            if not _KEY_HASH.match(key):
+                raise ValueError("keys are stored only as 'sha256:<64 lowercase hex>' "
+                                 "(`sluice hash-key KEY` prints it); never the key itself")
+        return v
+
+
+class TenantsFile(_Strict):
+    tenants: list[TenantEntry]
+
+    @model_validator(mode="after")
+    def _unique(self) -> TenantsFile:
+        ids = [t.id for t in self.tenants]
+        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        if dupes:
+            raise ValueError(f"tenant ids must be unique; repeated: {dupes}")
+        seen: dict[str, str] = {}
+        for t in self.tenants:
+            for key in t.keys:
+                if key in seen:
+                    raise ValueError(f"one key is listed for tenants {seen[key]!r} and {t.id!r}")
+                seen[key] = t.id
+        return self
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+
+
+def _describe(exc: ValidationError, path: Path) -> str:
+    lines = [f"{path}: invalid configuration"]
+    for err in exc.errors(include_url=False):
+        where = ".".join(str(p) for p in err.get("loc", ())) or "(top level)"
+        lines.append(f"  {where}: {err.get('msg')}")
+    return "\n".join(lines)
+
+
+def apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    """``SLUICE_A__B=v`` sets ``raw["a"]["b"] = yaml(v)``; list-valued keys are not addressable."""
+    out = dict(raw)
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX) or name in ("SLUICE_REDIS_URL",):
+            continue
+        path = [p.lower() for p in name[len(ENV_PREFIX):].split("__") if p]
+        if not path or path[0] not in GatewayConfig.model_fields or path[0] == "models":
+            continue
+        node = out
+        for part in path[:-1]:
+            child = node.get(part)
+            node[part] = dict(child) if isinstance(child, dict) else {}
+            node = node[part]
+        node[path[-1]] = yaml.safe_load(value) if value else value
+    return out
+
+
+def load_gateway_config(path: str | Path, env: Mapping[str, str] | None = None) -> GatewayConfig:
+    """Read and validate ``gateway.yaml``; ``tenants_file`` becomes absolute (relative to it)."""
+    path = Path(path)
+    raw = _read_yaml(path)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    raw = apply_env(raw, os.environ if env is None else env)
+    try:
+        cfg = GatewayConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, path)) from None
+    if not cfg.tenants_file.is_absolute():
+        cfg = cfg.model_copy(update={"tenants_file": (path.parent / cfg.tenants_file).resolve()})
+    return cfg
+
+
+def load_tenants(path: str | Path) -> TenantsFile:
+    path = Path(path)
+    raw = _read_yaml(path)
+    try:
+        return TenantsFile.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, path)) from None

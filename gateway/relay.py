@@ -1,0 +1,459 @@
+"""The generation endpoints: authenticate, prepare, call the upstream, relay, settle.
+
+Each request runs as two tasks: the work (validation, upstream call, relay) and a watcher
+on the client's connection. When the client leaves, at any stage, the watcher cancels the
+work; cancellation closes the upstream response (httpx closes its connection when a response
+is closed unread), which the bundled backend sees as a disconnect and aborts the request in
+the engine. Settlement runs in ``finally``, so it happens however the request ends.
+
+The relay keeps at most one partial SSE event buffered and writes each batch of events as it
+arrives; ``send`` waits while the client's socket is full, so a slow reader slows the
+upstream read instead of growing memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+import httpx
+
+from .errors import (
+    AuthenticationFailed,
+    BadGateway,
+    BadRequest,
+    GatewayError,
+    GatewayTimeout,
+    PayloadTooLarge,
+    RevisionMismatch,
+    ServiceUnavailable,
+)
+from .service import Gateway, Prepared
+from .stamp import Stamp
+from .tenants import Tenant
+from .upstream import RESOLVED_HEADER, UpstreamError
+from .usage import Settlement
+
+log = logging.getLogger("sluice.gateway.relay")
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+DONE = b"data: [DONE]\n\n"
+MAX_EVENT_BYTES = 4 * 1024 * 1024  # one SSE event from the upstream; more is a broken stream
+MAX_WHOLE_BYTES = 64 * 1024 * 1024  # one non-streamed answer
+UPSTREAM_RETRY_AFTER_S = 1.0
+dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+class ClientGone(Exception):
+    """The client disconnected while the body was being read."""
+
+
+def header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
+
+
+async def read_body(scope: Scope, receive: Any, limit: int) -> bytes:
+    """The request body, refusing more than ``limit`` bytes before reading them all."""
+    length = header(scope, b"content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise PayloadTooLarge(f"the request body is {int(length)} bytes; your limit is {limit}")
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"the request body exceeds your limit of {limit} bytes")
+        parts.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise BadRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object", code="invalid_json")
+    return body
+
+
+def deadline_header(scope: Scope) -> int | None:
+    raw = header(scope, b"x-sluice-deadline-ms")
+    if raw is None:
+        return None
+    text = raw.decode("latin-1").strip()
+    if not text.isdigit() or int(text) < 1:
+        raise BadRequest("x-sluice-deadline-ms must be a positive integer (milliseconds)",
+                         "x-sluice-deadline-ms", code="invalid_value")
+    return int(text)
+
+
+def stamp_headers(stamp: Stamp | None) -> list[tuple[bytes, bytes]]:
+    if stamp is None:
+        return []
+    return [(b"x-sluice-resolved", stamp.header_value().encode("latin-1", "replace"))]
+
+
+async def send_error(send: Any, err: GatewayError, stamp: Stamp | None) -> None:
+    body = err.json_bytes()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
+    headers += stamp_headers(stamp) + err.headers()
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def error_event(err: GatewayError) -> bytes:
+    """An in-stream error (headers already sent); the openai SDK raises APIError on it."""
+    payload = err.body()
+    payload["error"]["status"] = err.status  # type: ignore[index]
+    return b"data: " + dumps(payload).encode() + b"\n\n" + DONE
+
+
+class ProxyEndpoint:
+    """ASGI endpoint for ``POST /v1/chat/completions`` or ``/v1/completions``."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        gw: Gateway = scope["app"].state.gateway
+        state = scope.setdefault("state", {})
+        try:
+            tenant = gw.keyring.authenticate(header(scope, b"authorization"))
+            state["tenant"] = tenant.id
+            limit = gw.config.max_body_bytes
+            if tenant.caps.max_body_bytes is not None:
+                limit = min(limit, tenant.caps.max_body_bytes)
+            body = parse_json(await read_body(scope, receive, limit))
+            deadline_ms = deadline_header(scope)
+        except AuthenticationFailed as err:
+            await send_error(send, err, None)
+            return
+        except GatewayError as err:
+            await send_error(send, err, None)
+            return
+        except ClientGone:
+            return
+        gw.metrics.inflight += 1
+        exchange = Exchange(gw, self.kind, tenant, state["request_id"], send)
+        work = asyncio.ensure_future(exchange.run(body, deadline_ms))
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():  # the client left first
+                exchange.client_gone = True
+                work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            if work.done() and not work.cancelled() and work.exception() is not None:
+                raise work.exception()  # type: ignore[misc]
+        finally:
+            watcher.cancel()
+            if not work.done():  # we were cancelled ourselves (server shutdown)
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+            gw.metrics.inflight -= 1
+
+
+async def _wait_disconnect(receive: Any) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class Exchange:
+    """One generation request from preparation to settlement."""
+
+    def __init__(self, gw: Gateway, kind: str, tenant: Tenant, request_id: str,
+                 send: Any) -> None:
+        self.gw = gw
+        self.kind = kind
+        self.tenant = tenant
+        self.request_id = request_id
+        self.send = send
+        self.p: Prepared | None = None
+        self.stamps: list[Stamp] = []
+        self.started = False  # response headers sent to the client
+        self.accepted = False  # the upstream answered 200
+        self.client_gone = False
+        self.done = False  # [DONE] or a whole answer relayed
+        self.outcome = "ok"
+        self.usage: dict[str, Any] | None = None  # last usage the upstream reported
+        self.chunks = 0  # content chunks relayed
+
+    async def run(self, body: dict[str, Any], header_deadline_ms: int | None) -> None:
+        try:
+            self.p = await self.gw.prepare(self.kind, body, self.tenant,  # type: ignore[arg-type]
+                                           self.request_id, header_deadline_ms, self.stamps)
+        except GatewayError as err:
+            await send_error(self.send, err, self.stamps[0] if self.stamps else None)
+            return
+        try:
+            await self._call_upstream(self.p)
+        except GatewayError as err:
+            self.outcome = "timeout" if isinstance(err, GatewayTimeout) else "upstream_error"
+            if isinstance(err, RevisionMismatch) or err.status < 500:
+                self.outcome = "refused"
+            if self.started:
+                await self.send({"type": "http.response.body", "body": error_event(err),
+                                 "more_body": False})
+            else:
+                await send_error(self.send, err, self.p.stamp)
+        except asyncio.CancelledError:
+            self.outcome = "cancelled"
+            raise
+        finally:
+            self._settle(self.p)
+
+    # ---- the upstream call ----------------------------------------------------------------
+    async def _call_upstream(self, p: Prepared) -> None:
+        up = p.upstream
+        path = "/v1/chat/completions" if p.kind == "chat" else "/v1/completions"
+        request = up.client.build_request(
+            "POST", path, content=dumps(p.body).encode(),
+            headers={"content-type": "application/json", "accept-encoding": "identity",
+                     "x-request-id": p.request_id})
+        try:
+            async with asyncio.timeout_at(self._deadline_at(p)):
+                resp = await up.client.send(request, stream=True)
+        except TimeoutError:
+            raise GatewayTimeout("the request's deadline passed before the model answered",
+                                 code="deadline_exceeded") from None
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            log.warning("model %s: upstream unreachable: %r", up.name, exc)
+            raise ServiceUnavailable(f"the model {up.name!r} is not reachable right now",
+                                     retry_after_s=UPSTREAM_RETRY_AFTER_S) from None
+        except httpx.TimeoutException:
+            raise GatewayTimeout(f"the model {up.name!r} did not answer in time",
+                                 code="upstream_timeout") from None
+        except httpx.HTTPError as exc:
+            log.warning("model %s: upstream failed: %r", up.name, exc)
+            raise BadGateway(f"the model {up.name!r} failed to answer") from None
+        try:
+            if resp.status_code != 200:
+                raise await _upstream_error(resp, up.name)
+            self.accepted = True
+            await self._check_versions(p, resp)
+            if p.stream:
+                await self._relay_stream(p, resp)
+            else:
+                await self._relay_whole(p, resp)
+        except httpx.TimeoutException:
+            raise GatewayTimeout(f"the model {up.name!r} stopped sending",
+                                 code="upstream_timeout") from None
+        except httpx.HTTPError as exc:
+            log.warning("model %s: upstream broke mid-answer: %r", up.name, exc)
+            raise BadGateway(f"the model {up.name!r} broke off its answer") from None
+        finally:
+            await resp.aclose()
+
+    @staticmethod
+    def _deadline_at(p: Prepared) -> float | None:
+        if p.deadline is None:
+            return None
+        # asyncio's clock is time.monotonic, like Prepared.deadline
+        return p.deadline
+
+    async def _check_versions(self, p: Prepared, resp: httpx.Response) -> None:
+        """The bundled backend names its versions on every answer; if they moved since the
+        last refresh, re-read them so that this answer's stamp is the truth."""
+        up = p.upstream
+        reported = resp.headers.get(RESOLVED_HEADER)
+        if reported is None or up.reported_header is None or reported == up.reported_header:
+            return
+        try:
+            await self.gw.refresh(up)
+        except UpstreamError:
+            return
+        versions = up.versions
+        if versions is None or versions == p.stamp.versions:
+            return
+        if p.pin is not None and not versions.revision_matches(p.pin):
+            raise RevisionMismatch(f"the model {up.name!r} changed to revision "
+                                   f"{versions.revision[:12]!r}, not {p.pin!r}")
+        p.stamp = Stamp(p.stamp.model, versions, p.stamp.policy)
+
+    def _headers(self, p: Prepared, content_type: bytes) -> list[tuple[bytes, bytes]]:
+        headers = [(b"content-type", content_type)] + stamp_headers(p.stamp)
+        if p.clamped:
+            headers.append((b"x-sluice-clamped", p.clamped.encode()))
+        return headers
+
+    async def _relay_stream(self, p: Prepared, resp: httpx.Response) -> None:
+        rewriter = ChunkRewriter(p, p.stamp.fingerprint())
+        headers = self._headers(p, b"text/event-stream; charset=utf-8")
+        headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+        await self.send({"type": "http.response.start", "status": 200, "headers": headers})
+        self.started = True
+        send = self.send
+        buf = b""
+        async for raw in resp.aiter_raw():
+            buf = buf + raw if buf else raw
+            end = buf.rfind(b"\n\n")
+            if end < 0:
+                if len(buf) > MAX_EVENT_BYTES:
+                    raise BadGateway("the upstream sent an over-long stream event")
+                continue
+            events = buf[:end].split(b"\n\n")
+            buf = buf[end + 2:]
+            out = [chunk for e in events if (chunk := rewriter.rewrite(e)) is not None]
+            if out:
+                await send({"type": "http.response.body", "body": b"".join(out),
+                            "more_body": True})
+        self.usage = rewriter.usage
+        self.chunks = rewriter.chunks
+        if rewriter.error:
+            self.outcome = "upstream_error"
+        if not rewriter.done:
+            raise BadGateway(f"the model {p.upstream.name!r} ended its stream early")
+        self.done = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _relay_whole(self, p: Prepared, resp: httpx.Response) -> None:
+        parts: list[bytes] = []
+        size = 0
+        async for raw in resp.aiter_raw():
+            size += len(raw)
+            if size > MAX_WHOLE_BYTES:
+                raise BadGateway("the upstream's answer is too large")
+            parts.append(raw)
+        try:
+            obj = json.loads(b"".join(parts))
+            usage = obj.get("usage")
+        except (ValueError, AttributeError):
+            raise BadGateway(f"the model {p.upstream.name!r} sent a broken answer") from None
+        if isinstance(usage, dict):
+            self.usage = usage
+        obj["model"] = p.stamp.model
+        obj["system_fingerprint"] = p.stamp.fingerprint()
+        body = dumps(obj).encode()
+        headers = self._headers(p, b"application/json")
+        headers.append((b"content-length", str(len(body)).encode()))
+        await self.send({"type": "http.response.start", "status": 200, "headers": headers})
+        self.started = True
+        await self.send({"type": "http.response.body", "body": body, "more_body": False})
+        self.done = True
+
+    # ---- settlement -----------------------------------------------------------------------
+    def _settle(self, p: Prepared) -> None:
+        usage = self.usage or {}
+        if not self.accepted:
+            # The upstream never took the request (unreachable, refused, cancelled first).
+            prompt = completion = 0
+            exact = True
+        else:
+            prompt = _int(usage.get("prompt_tokens"), p.prompt_tokens)
+            completion = _int(usage.get("completion_tokens"), self.chunks)
+            exact = bool(usage) and (p.prompt_exact or "prompt_tokens" in usage)
+        if self.client_gone and not self.done:
+            self.outcome = "cancelled"
+        self.gw.ledger.settle(Settlement(
+            request_id=self.request_id, tenant=self.tenant.id, model=p.upstream.name,
+            prompt_tokens=prompt, completion_tokens=completion, outcome=self.outcome,
+            exact=exact))
+
+
+def _int(value: Any, default: int) -> int:
+    return value if isinstance(value, int) and value >= 0 else default
+
+
+async def _upstream_error(resp: httpx.Response, model: str) -> GatewayError:
+    """The client-facing error for an upstream's non-200 answer (never its internals)."""
+    raw = b""
+    async for chunk in resp.aiter_raw():
+        raw += chunk
+        if len(raw) > 64 * 1024:
+            break
+    status = resp.status_code
+    message = code = param = None
+    try:
+        err = json.loads(raw).get("error")
+        if isinstance(err, dict):
+            message, code, param = err.get("message"), err.get("code"), err.get("param")
+        elif isinstance(err, str):
+            message = err
+    except (ValueError, AttributeError):
+        pass
+    if status >= 500 or status in (401, 403, 404):
+        # 401/403/404 from the upstream mean the gateway is misconfigured, not the client.
+        log.warning("model %s: upstream answered %d: %s", model, status, message)
+        if status == 503:
+            retry = resp.headers.get("retry-after")
+            wait = float(retry) if retry and retry.isdigit() else UPSTREAM_RETRY_AFTER_S
+            return ServiceUnavailable(f"the model {model!r} is unavailable right now",
+                                      retry_after_s=wait)
+        return BadGateway(f"the model {model!r} failed (upstream HTTP {status})")
+    out = GatewayError(str(message) if message else f"the model refused the request "
+                       f"(HTTP {status})", str(param) if isinstance(param, str) else None,
+                       code=str(code) if code is not None else None)
+    out.status = status
+    out.type = "invalid_request_error"
+    if status == 429:
+        retry = resp.headers.get("retry-after")
+        out.retry_after_s = float(retry) if retry and retry.isdigit() else None
+    return out
+
+
+class ChunkRewriter:
+    """Rewrites the upstream's SSE events for the client: the public model name, the
+    gateway's fingerprint, and usage only as the client asked for it."""
+
+    __slots__ = ("chunks", "client_continuous", "client_usage", "done", "error",
+                 "fingerprint", "model", "usage")
+
+    def __init__(self, p: Prepared, fingerprint: str) -> None:
+        self.model = p.stamp.model
+        self.fingerprint = fingerprint
+        self.client_usage = p.client_usage
+        self.client_continuous = p.client_continuous
+        self.usage: dict[str, Any] | None = None
+        self.chunks = 0
+        self.done = False
+        self.error = False
+
+    def rewrite(self, event: bytes) -> bytes | None:
+        if not event.startswith(b"data:"):
+            # comments (": keep-alive") and other fields pass as they are
+            return event + b"\n\n" if event.strip() else None
+        data = event[5:].strip()
+        if data == b"[DONE]":
+            self.done = True
+            return DONE
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            raise BadGateway("the upstream sent a broken stream event") from None
+        if not isinstance(obj, dict):
+            raise BadGateway("the upstream sent a broken stream event")
+        if "error" in obj:
+            self.error = True
+            return b"data: " + data + b"\n\n"
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            self.usage = usage
+        choices = obj.get("choices")
+        if choices:
+            self.chunks += 1
+        obj["model"] = self.model
+        obj["system_fingerprint"] = self.fingerprint
+        if not choices and usage is not None:  # the usage chunk
+            if not self.client_usage:
+                return None
+        elif "usage" in obj:
+            if not self.client_usage:
+                del obj["usage"]
+            elif not self.client_continuous:
+                obj["usage"] = None
+        return b"data: " + dumps(obj).encode() + b"\n\n"

@@ -1,0 +1,89 @@
+"""Tenants and their keys.
+
+A key is never stored: the tenants file holds ``sha256:<hex>`` of each key. Authentication
+hashes the presented key and compares the digest with every stored digest using
+``hmac.compare_digest`` and no early exit, so the time taken does not depend on which
+stored digest (if any) shares a prefix with the presented one, nor on where a match is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from dataclasses import dataclass
+
+from .config import Caps, PriorityRange, TenantEntry, TenantsFile
+from .errors import AuthenticationFailed
+
+_BEARER = b"bearer "
+MAX_KEY_BYTES = 512
+
+
+def hash_key(key: str) -> str:
+    """The form a key takes in tenants.yaml."""
+    return "sha256:" + hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+@dataclass(slots=True, frozen=True)
+class Tenant:
+    id: str
+    name: str
+    models: frozenset[str]  # "*" allows every model
+    priority: PriorityRange
+    caps: Caps
+    policy_version: str  # `<id>@<12 hex>` of everything but the keys: goes into the stamp
+
+    def may_use(self, model: str) -> bool:
+        return "*" in self.models or model in self.models
+
+    @classmethod
+    def from_entry(cls, entry: TenantEntry) -> Tenant:
+        policy = entry.model_dump(mode="json", exclude={"keys"})
+        digest = hashlib.sha256(json.dumps(policy, sort_keys=True).encode()).hexdigest()
+        return cls(id=entry.id, name=entry.name or entry.id, models=frozenset(entry.models),
+                   priority=entry.priority, caps=entry.caps,
+                   policy_version=f"{entry.id}@{digest[:12]}")
+
+
+class KeyRing:
+    """Maps a bearer key to its tenant."""
+
+    def __init__(self, tenants: TenantsFile) -> None:
+        self.tenants: dict[str, Tenant] = {}
+        digests: list[bytes] = []
+        owners: list[Tenant] = []
+        for entry in tenants.tenants:
+            tenant = Tenant.from_entry(entry)
+            self.tenants[tenant.id] = tenant
+            for key in entry.keys:
+                digests.append(bytes.fromhex(key.removeprefix("sha256:")))
+                owners.append(tenant)
+        self._digests = digests
+        self._owners = owners
+
+    def lookup(self, key: bytes) -> Tenant | None:
+        """The tenant owning ``key``; every stored digest is compared, match or not."""
+        presented = hashlib.sha256(key).digest()
+        found: Tenant | None = None
+        for digest, owner in zip(self._digests, self._owners, strict=True):
+            if hmac.compare_digest(presented, digest):
+                found = owner
+        return found
+
+    def authenticate(self, authorization: bytes | None) -> Tenant:
+        """The tenant for an ``Authorization: Bearer KEY`` header value, or 401."""
+        if not authorization:
+            raise AuthenticationFailed("missing Authorization header; send "
+                                       "'Authorization: Bearer YOUR_KEY'")
+        if len(authorization) > MAX_KEY_BYTES + len(_BEARER) \
+                or authorization[: len(_BEARER)].lower() != _BEARER:
+            raise AuthenticationFailed("malformed Authorization header; send "
+                                       "'Authorization: Bearer YOUR_KEY'")
+        key = authorization[len(_BEARER):].strip()
+        if not key:
+            raise AuthenticationFailed("empty API key in the Authorization header")
+        tenant = self.lookup(key)
+        if tenant is None:
+            raise AuthenticationFailed("incorrect API key provided")
+        return tenant

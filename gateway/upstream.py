@@ -1,0 +1,151 @@
+"""Upstreams: the servers behind the public model names, and what they currently serve.
+
+One ``Upstream`` per model entry of gateway.yaml. It owns a pooled httpx client and the
+versions the upstream serves: read from the bundled backend's ``/v1/models`` (``kind:
+sluice``) at start and every ``refresh_interval_s``, or taken from the config for any other
+OpenAI-compatible server. A request snapshots the versions when it is resolved, so a refresh
+never switches a request in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import httpx
+
+from .config import GatewayConfig, ModelEntry, StaticVersions
+from .stamp import UpstreamVersions
+from .tokens import ByteCounter, LocalCounter, TokenCounter, UpstreamCounter
+
+log = logging.getLogger("sluice.gateway.upstream")
+
+PROBE_TIMEOUT_S = 2.0
+RESOLVED_HEADER = "x-sluice-resolved"
+
+
+class UpstreamError(Exception):
+    """The upstream could not be asked (unreachable) or answered nonsense."""
+
+
+class Upstream:
+    def __init__(self, entry: ModelEntry, config: GatewayConfig,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.entry = entry
+        self.name = entry.name
+        self.served_name = entry.served_name
+        self.capabilities = entry.capabilities
+        headers = {}
+        if entry.api_key_env:
+            key = os.environ.get(entry.api_key_env)
+            if not key:
+                raise ValueError(f"model {entry.name!r}: the environment variable "
+                                 f"{entry.api_key_env} (its upstream key) is not set")
+            headers["authorization"] = f"Bearer {key}"
+        t = config.timeouts
+        self.client = httpx.AsyncClient(
+            base_url=entry.upstream, headers=headers, transport=transport,
+            timeout=httpx.Timeout(connect=t.connect_s, read=t.read_s, write=t.read_s,
+                                  pool=t.connect_s),
+            limits=httpx.Limits(max_connections=entry.max_connections,
+                                max_keepalive_connections=min(entry.max_connections, 256),
+                                keepalive_expiry=30.0),
+        )
+        static = entry.versions or StaticVersions()
+        self.versions: UpstreamVersions | None = None
+        if entry.kind == "openai":
+            self.versions = UpstreamVersions(static.revision, static.tokenizer,
+                                             static.chat_template, static.engine)
+        self.reported_header: str | None = None  # the backend's own x-sluice-resolved
+        self.max_model_len: int | None = None
+        self.last_ok: float | None = None
+        self.last_error: str | None = None
+        self.counter: TokenCounter = self._make_counter()
+
+    def _make_counter(self) -> TokenCounter:
+        mode = self.entry.tokenizer
+        if mode == "auto":
+            mode = "upstream" if self.entry.kind == "sluice" else "bytes"
+        if mode == "bytes":
+            return ByteCounter()
+        if mode == "upstream":
+            return UpstreamCounter(self.client, self.served_name, self._tokenizer_key)
+        return LocalCounter(mode.removeprefix("local:"))
+
+    def _tokenizer_key(self) -> str:
+        v = self.versions
+        return "" if v is None else f"{v.tokenizer}/{v.chat_template}"
+
+    @property
+    def ready(self) -> bool:
+        return self.versions is not None
+
+    async def refresh(self) -> None:
+        """Re-read what the upstream serves; raises UpstreamError when it cannot."""
+        try:
+            resp = await self.client.get("/v1/models", timeout=PROBE_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            raise UpstreamError(f"{self.entry.upstream} is unreachable: {self.last_error}") \
+                from exc
+        if resp.status_code != 200:
+            self.last_error = f"/v1/models answered {resp.status_code}"
+            raise UpstreamError(f"{self.entry.upstream}: {self.last_error}")
+        try:
+            listing = resp.json()["data"]
+            entry = next((m for m in listing if m.get("id") == self.served_name), None)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            self.last_error = "/v1/models is not an OpenAI model list"
+            raise UpstreamError(f"{self.entry.upstream}: {self.last_error}") from None
+        if entry is None:
+            self.last_error = f"it does not serve {self.served_name!r}"
+            raise UpstreamError(f"{self.entry.upstream}: {self.last_error}")
+        if isinstance(entry.get("max_model_len"), int):
+            self.max_model_len = entry["max_model_len"]
+        if self.entry.kind == "sluice":
+            resolved = entry.get("resolved")
+            if not isinstance(resolved, dict):
+                self.last_error = "/v1/models reports no resolved versions (not a sluice backend?)"
+                raise UpstreamError(f"{self.entry.upstream}: {self.last_error}")
+            new = UpstreamVersions.from_report(resolved)
+            if self.versions is not None and new != self.versions:
+                log.info("model %s: upstream versions changed from %s to %s", self.name,
+                         self.versions, new)
+            self.versions = new
+            self.reported_header = resp.headers.get(RESOLVED_HEADER)
+            self._check_local_tokenizer()
+        self.last_ok = time.monotonic()
+        self.last_error = None
+
+    def _check_local_tokenizer(self) -> None:
+        """A local tokenizer must be the one the upstream uses; if not, ask the upstream."""
+        counter = self.counter
+        v = self.versions
+        if isinstance(counter, LocalCounter) and v is not None and (
+                counter.tokenizer_sha256 != v.tokenizer
+                or counter.template_sha256 != v.chat_template):
+            log.warning("model %s: the local tokenizer %s differs from the upstream's; "
+                        "counting tokens through the upstream instead", self.name, counter.name)
+            self.counter = UpstreamCounter(self.client, self.served_name, self._tokenizer_key)
+
+    async def probe(self) -> tuple[bool, str]:
+        """Is the upstream answering now?"""
+        path = "/health" if self.entry.kind == "sluice" else "/v1/models"
+        try:
+            resp = await self.client.get(path, timeout=PROBE_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            return False, f"unreachable: {type(exc).__name__}"
+        if resp.status_code != 200:
+            return False, f"{path} answered {resp.status_code}"
+        return True, "ok"
+
+    def describe(self) -> dict[str, Any]:
+        v = self.versions
+        return {"upstream": self.entry.upstream, "kind": self.entry.kind,
+                "ready": self.ready, "last_error": self.last_error,
+                "revision": v.revision if v else None}
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
