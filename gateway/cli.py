@@ -210,7 +210,8 @@ def _up(args: argparse.Namespace) -> int:
             print(f"starting the bundled backend (model {args.model}) on {backend_url} …",
                   flush=True)
             proc = subprocess.Popen(_backend_argv(args, args.backend_port),
-                                    preexec_fn=_die_with_parent if os.name == "posix" else None)
+                                    # no threads exist yet, so preexec_fn is safe here
+                                    preexec_fn=_die_with_parent if os.name == "posix" else None)  # noqa: PLW1509
             info = _wait_backend(proc, backend_url, BACKEND_START_TIMEOUT_S)
             name = str(info["id"])
             tokenizer = "local:tiny" if args.model == "tiny" else f"local:{args.model}"

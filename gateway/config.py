@@ -94,7 +94,7 @@ class ModelEntry(_Strict):
         if not re.match(r"^https?://[^/\s]+", v):
             raise ValueError("upstream must be an http(s) base URL such as http://127.0.0.1:8001")
         v = v.rstrip("/")
-        return v[: -len("/v1")] if v.endswith("/v1") else v
+        return v.removesuffix("/v1")
 
     @field_validator("tokenizer")
     @classmethod

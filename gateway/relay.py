@@ -190,8 +190,8 @@ class Exchange:
         self.client_gone = False
         self.done = False  # [DONE] or a whole answer relayed
         self.outcome = "ok"
-        self.usage: dict[str, Any] | None = None  # last usage the upstream reported
-        self.chunks = 0  # content chunks relayed
+        self.usage: dict[str, Any] | None = None  # usage of a whole answer
+        self.rewriter: ChunkRewriter | None = None  # a stream's: last usage, chunks relayed
 
     async def run(self, body: dict[str, Any], header_deadline_ms: int | None) -> None:
         try:
@@ -292,7 +292,7 @@ class Exchange:
         return headers
 
     async def _relay_stream(self, p: Prepared, resp: httpx.Response) -> None:
-        rewriter = ChunkRewriter(p, p.stamp.fingerprint())
+        rewriter = self.rewriter = ChunkRewriter(p, p.stamp.fingerprint())
         headers = self._headers(p, b"text/event-stream; charset=utf-8")
         headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
         await self.send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -312,8 +312,6 @@ class Exchange:
             if out:
                 await send({"type": "http.response.body", "body": b"".join(out),
                             "more_body": True})
-        self.usage = rewriter.usage
-        self.chunks = rewriter.chunks
         if rewriter.error:
             self.outcome = "upstream_error"
         if not rewriter.done:
@@ -349,13 +347,17 @@ class Exchange:
     # ---- settlement -----------------------------------------------------------------------
     def _settle(self, p: Prepared) -> None:
         usage = self.usage or {}
+        chunks = 0
+        if self.rewriter is not None:
+            usage = self.rewriter.usage or {}
+            chunks = self.rewriter.chunks
         if not self.accepted:
             # The upstream never took the request (unreachable, refused, cancelled first).
             prompt = completion = 0
             exact = True
         else:
             prompt = _int(usage.get("prompt_tokens"), p.prompt_tokens)
-            completion = _int(usage.get("completion_tokens"), self.chunks)
+            completion = _int(usage.get("completion_tokens"), chunks)
             exact = bool(usage) and (p.prompt_exact or "prompt_tokens" in usage)
         if self.client_gone and not self.done:
             self.outcome = "cancelled"

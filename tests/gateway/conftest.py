@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 import pytest
@@ -109,7 +109,7 @@ class ThreadedGateway:
         self.loop = asyncio.new_event_loop()
         self.loop.run_until_complete(self.server.serve())
 
-    def __enter__(self) -> ThreadedGateway:
+    def __enter__(self) -> Self:
         self.thread.start()
         deadline = time.monotonic() + 20
         while not self.server.started:
@@ -130,3 +130,34 @@ class ThreadedGateway:
         """Run a coroutine on the gateway's loop (to touch its state safely)."""
         assert self.loop is not None
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+
+TEST_KEY = "sk-test-one"
+OTHER_KEY = "sk-test-two"
+
+
+def tenants_for_tests(**caps: Any) -> TenantsFile:
+    from gateway.config import Caps, PriorityRange, TenantEntry
+    from gateway.tenants import hash_key
+
+    return TenantsFile(tenants=[
+        TenantEntry(id="one", keys=[hash_key(TEST_KEY)], models=["*"],
+                    priority=PriorityRange(min=0, max=10, default=4), caps=Caps(**caps)),
+        TenantEntry(id="two", keys=[hash_key(OTHER_KEY)], models=["nothing-here"]),
+    ])
+
+
+def config_for(upstream_url: str, *, kind: str = "sluice", tokenizer: str = "upstream",
+               name: str = "m", upstream_model: str | None = "fake-model",
+               **extra: Any) -> GatewayConfig:
+    from gateway.config import Listen, ModelEntry
+
+    entry = ModelEntry(name=name, upstream=upstream_url, kind=kind,  # type: ignore[arg-type]
+                       tokenizer=tokenizer, upstream_model=upstream_model,
+                       **extra)
+    return GatewayConfig(listen=Listen(port=free_port()), models=[entry],
+                         refresh_interval_s=3600)
+
+
+def auth(key: str = TEST_KEY) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}

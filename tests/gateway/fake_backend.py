@@ -1,0 +1,150 @@
+"""A scriptable stand-in for the bundled backend, on a real socket (uvicorn in a thread).
+
+It reports resolved versions like `sluice backend` (``/v1/models`` + ``x-sluice-resolved``),
+counts tokens as whitespace-separated words, and streams ``chunks`` words. ``mode`` makes it
+misbehave: ``"500"``, ``"503"``, ``"400"``, ``"die"`` (drops the stream after two chunks),
+``"hold"`` (streams two chunks, then waits for ``release``), ``"stall"`` (waits for
+``release`` before answering at all).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from typing import Any, Self
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from tests.backend.server.conftest import free_port
+
+
+class FakeBackend:
+    def __init__(self, name: str = "fake-model", chunks: int = 5) -> None:
+        self.name = name
+        self.chunks = chunks
+        self.mode = "ok"
+        self.revision = "a" * 64
+        self.bodies: list[dict[str, Any]] = []
+        self.aborted = 0  # streams the client (the gateway) left before the end
+        self.finished = 0
+        self.release = threading.Event()
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        app = Starlette(routes=[
+            Route("/v1/models", self._models),
+            Route("/health", self._health),
+            Route("/v1/tokenize", self._tokenize, methods=["POST"]),
+            Route("/v1/chat/completions", self._generate, methods=["POST"]),
+            Route("/v1/completions", self._generate, methods=["POST"]),
+        ])
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def __enter__(self) -> Self:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "fake backend did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release.set()
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+    @property
+    def open_connections(self) -> int:
+        return len(self.server.server_state.connections)
+
+    # ---- what it reports ----------------------------------------------------------------
+    def resolved(self) -> dict[str, Any]:
+        return {"model": self.name, "revision": self.revision, "tokenizer": "b" * 64,
+                "chat_template": "c" * 64, "engine": "fake-engine/1"}
+
+    def header(self) -> str:
+        r = self.resolved()
+        return f"model={self.name}; revision={r['revision'][:12]}; engine=fake"
+
+    def _headers(self) -> dict[str, str]:
+        return {"x-sluice-resolved": self.header()}
+
+    async def _models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.name, "object": "model", "max_model_len": 4096,
+            "revision": self.revision, "resolved": self.resolved()}]}, headers=self._headers())
+
+    async def _health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def _tokenize(self, request: Request) -> Response:
+        body = await request.json()
+        text = json.dumps(body.get("messages") or body.get("prompt"))
+        return JSONResponse({"count": len(text.split()), "tokens": []})
+
+    async def _generate(self, request: Request) -> Response:
+        body = await request.json()
+        self.bodies.append(body)
+        if self.mode == "stall":
+            while not self.release.is_set():
+                await asyncio.sleep(0.01)
+        if self.mode in ("500", "503", "400"):
+            status = int(self.mode)
+            return JSONResponse({"error": {"message": "boom: Traceback (most recent call)",
+                                           "type": "x", "code": "oops", "param": None}},
+                                status_code=status, headers={"retry-after": "7"})
+        chat = request.url.path.endswith("chat/completions")
+        usage_asked = bool((body.get("stream_options") or {}).get("include_usage"))
+        running = bool((body.get("stream_options") or {}).get("continuous_usage_stats"))
+        base = {"id": "x", "created": 1, "model": self.name, "system_fingerprint": "fp_up",
+                "object": "chat.completion.chunk" if chat else "text_completion"}
+
+        def choice(i: int, last: bool) -> dict[str, Any]:
+            reason = "length" if last else None
+            if chat:
+                return {"index": 0, "delta": {"content": f" w{i}"}, "finish_reason": reason}
+            return {"index": 0, "text": f" w{i}", "finish_reason": reason}
+
+        def usage(n: int) -> dict[str, int]:
+            return {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}
+
+        if not body.get("stream"):
+            text = "".join(f" w{i}" for i in range(self.chunks))
+            msg = {"index": 0, "finish_reason": "length",
+                   **({"message": {"role": "assistant", "content": text}} if chat
+                      else {"text": text})}
+            return JSONResponse({**base, "object": "chat.completion" if chat else
+                                 "text_completion", "choices": [msg],
+                                 "usage": usage(self.chunks)}, headers=self._headers())
+
+        async def events() -> Any:
+            try:
+                for i in range(self.chunks):
+                    if self.mode == "die" and i == 2:
+                        raise RuntimeError("the fake backend dies mid-stream")
+                    if self.mode == "hold" and i == 2:
+                        while not self.release.is_set():
+                            await asyncio.sleep(0.01)
+                    last = i == self.chunks - 1
+                    obj = {**base, "choices": [choice(i, last)]}
+                    if usage_asked:
+                        obj["usage"] = usage(i + 1) if running else None
+                    yield f"data: {json.dumps(obj)}\n\n"
+                if usage_asked:
+                    yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage(self.chunks)})}\n\n"
+                yield "data: [DONE]\n\n"
+                self.finished += 1
+            except asyncio.CancelledError:
+                self.aborted += 1
+                raise
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers=self._headers())

@@ -1,0 +1,149 @@
+"""Cancellation end to end: a client that leaves the gateway, at any stage, frees its KV
+blocks in the bundled backend at once, and its usage is settled as cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from .conftest import ALPHA, SluiceUp, start_sluice_up
+
+LONG = 1000  # far more tokens than the test waits for: only an abort ends these requests
+CLIENTS = 50
+
+
+@pytest.fixture(scope="module")
+def narrow(tmp_path_factory: pytest.TempPathFactory, sluice_up: SluiceUp) -> Iterator[SluiceUp]:
+    """One engine sequence at a time: the other requests wait in the engine queue."""
+    up = start_sluice_up(tmp_path_factory.mktemp("narrow"), "--max-num-seqs", "1")
+    yield up
+    up.stop()
+
+
+class RawClient:
+    """A raw socket, so that the moment of disconnect is the test's to choose."""
+
+    def __init__(self, url: str) -> None:
+        self.port = int(url.rsplit(":", 1)[1])
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def send(self, body: dict[str, Any]) -> asyncio.StreamReader:
+        reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
+        data = json.dumps(body).encode()
+        self.writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                          b"authorization: Bearer " + ALPHA.encode() + b"\r\n"
+                          b"content-type: application/json\r\n"
+                          b"content-length: %d\r\n\r\n%s" % (len(data), data))
+        await self.writer.drain()
+        return reader
+
+    async def read_content_events(self, reader: asyncio.StreamReader, n: int) -> None:
+        seen = 0
+        while seen < n:
+            line = await asyncio.wait_for(reader.readline(), 60)
+            assert line, "the gateway closed the stream early"
+            if line.startswith(b"data: {") and b'"content":""' not in line:
+                seen += 1
+
+    def disconnect(self) -> None:
+        assert self.writer is not None
+        self.writer.transport.abort()  # RST: as abrupt as a killed client
+
+
+def body(i: int) -> dict[str, Any]:
+    return {"model": "sluice-tiny", "max_tokens": LONG, "ignore_eos": True, "stream": True,
+            "messages": [{"role": "user", "content": f"Client {i}: talk for a long time."}]}
+
+
+async def wait_state(up: SluiceUp, pred: Callable[[dict[str, Any]], bool],
+                     timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        state = await asyncio.to_thread(up.backend_state)
+        if pred(state):
+            return state
+        if time.monotonic() > deadline:
+            pytest.fail(f"the backend did not settle in {timeout}s: {state}")
+        await asyncio.sleep(0.02)
+
+
+def all_free(s: dict[str, Any]) -> bool:
+    return s["kv_blocks_free"] == s["kv_blocks_total"] and s["running"] == 0 \
+        and s["waiting"] == 0
+
+
+def cancelled_count(up: SluiceUp) -> int:
+    text = up.metrics()
+    return sum(int(n) for n in re.findall(
+        r'sluice_gateway_requests_settled_total\{[^}]*outcome="cancelled"\} (\d+)', text))
+
+
+def inflight(up: SluiceUp) -> int:
+    m = re.search(r"^sluice_gateway_inflight_requests (\d+)$", up.metrics(), re.MULTILINE)
+    assert m
+    return int(m.group(1))
+
+
+async def test_fifty_clients_leaving_mid_generation_free_every_block(
+        sluice_up: SluiceUp) -> None:
+    await wait_state(sluice_up, all_free, 30)
+    before = cancelled_count(sluice_up)
+    clients = [RawClient(sluice_up.url) for _ in range(CLIENTS)]
+    readers = await asyncio.gather(*(c.send(body(i)) for i, c in enumerate(clients)))
+    # every stream has produced tokens: all 50 are mid-generation in the engine
+    await asyncio.gather(*(c.read_content_events(r, 3) for c, r in zip(clients, readers)))
+    state = sluice_up.backend_state()
+    assert state["running"] == CLIENTS and state["kv_blocks_free"] < state["kv_blocks_total"]
+    for c in clients:
+        c.disconnect()
+    await wait_state(sluice_up, all_free, 1.0)
+    deadline = time.monotonic() + 5
+    while cancelled_count(sluice_up) - before < CLIENTS and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert cancelled_count(sluice_up) - before == CLIENTS
+    assert inflight(sluice_up) == 0
+
+
+async def test_clients_leaving_before_the_first_token_free_every_block(
+        narrow: SluiceUp) -> None:
+    await wait_state(narrow, all_free, 30)
+    before = cancelled_count(narrow)
+    clients = [RawClient(narrow.url) for _ in range(CLIENTS)]
+    await asyncio.gather(*(c.send(body(i)) for i, c in enumerate(clients)))
+    # one runs, the rest wait in the engine queue: none of those has sent a token
+    await wait_state(narrow, lambda s: s["running"] == 1 and s["waiting"] >= CLIENTS - 5, 30)
+    for c in clients:
+        c.disconnect()
+    await wait_state(narrow, all_free, 1.0)
+    deadline = time.monotonic() + 5
+    while cancelled_count(narrow) - before < CLIENTS and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert cancelled_count(narrow) - before == CLIENTS
+    assert inflight(narrow) == 0
+
+
+async def test_a_client_leaving_during_a_whole_answer_aborts_it(sluice_up: SluiceUp) -> None:
+    await wait_state(sluice_up, all_free, 30)
+    c = RawClient(sluice_up.url)
+    await c.send({**body(0), "stream": False})
+    await wait_state(sluice_up, lambda s: s["running"] == 1, 30)
+    c.disconnect()
+    await wait_state(sluice_up, all_free, 1.0)
+
+
+def test_a_finished_stream_leaves_nothing_behind(sluice_up: SluiceUp) -> None:
+    with httpx.stream("POST", sluice_up.url + "/v1/chat/completions",
+                      headers={"authorization": f"Bearer {ALPHA}"},
+                      json={**body(1), "max_tokens": 5}, timeout=60) as resp:
+        lines = [line for line in resp.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    state = sluice_up.backend_state()
+    assert all_free(state), state
+    assert inflight(sluice_up) == 0

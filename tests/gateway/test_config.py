@@ -1,0 +1,98 @@
+"""gateway.yaml and tenants.yaml: the shipped examples load, mistakes are named clearly."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gateway.cli import DEMO_KEYS, demo_tenants
+from gateway.config import load_gateway_config, load_tenants
+from gateway.errors import ConfigError
+from gateway.tenants import KeyRing
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def test_the_shipped_configs_load_and_match_the_demo_tenants() -> None:
+    cfg = load_gateway_config(CONFIGS / "gateway.yaml", env={})
+    assert cfg.listen.host == "127.0.0.1"  # the default bind is local only
+    assert [m.name for m in cfg.models] == ["sluice-tiny"]
+    assert cfg.tenants_file == (CONFIGS / "tenants.yaml").resolve()
+    tenants = load_tenants(cfg.tenants_file)
+    assert tenants == demo_tenants()
+    ring = KeyRing(tenants)
+    for tenant_id, key in DEMO_KEYS.items():
+        found = ring.lookup(key.encode())
+        assert found is not None and found.id == tenant_id
+    assert "sk-demo" not in (CONFIGS / "tenants.yaml").read_text().split("#")[0]
+
+
+def test_environment_overrides(tmp_path: Path) -> None:
+    cfg = load_gateway_config(CONFIGS / "gateway.yaml", env={
+        "SLUICE_LISTEN__PORT": "9123", "SLUICE_TIMEOUTS__READ_S": "12.5",
+        "SLUICE_TENANTS_FILE": str(tmp_path / "t.yaml"), "OTHER": "x"})
+    assert cfg.listen.port == 9123 and cfg.timeouts.read_s == 12.5
+    assert cfg.tenants_file == tmp_path / "t.yaml"
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("models: []", "models"),
+    ("models: [{name: a, upstream: 'ftp://x'}]", "models.0.upstream"),
+    ("models: [{name: a@b, upstream: 'http://x'}]", "models.0.name"),
+    ("models: [{name: a, upstream: 'http://x', supports: [teleport]}]", "teleport"),
+    ("models: [{name: a, upstream: 'http://x'}, {name: a, upstream: 'http://y'}]", "unique"),
+    ("models: [{name: a, upstream: 'http://x', tokenizer: magic}]", "tokenizer"),
+    ("models: [{name: a, upstream: 'http://x'}]\nlisten: {port: 99999}", "listen.port"),
+    ("models: [{name: a, upstream: 'http://x'}]\nunknown_key: 1", "unknown_key"),
+    ("- just a list", "mapping"),
+    ("models: [", "not valid YAML"),
+])
+def test_gateway_config_errors_name_the_field(tmp_path: Path, text: str, needle: str) -> None:
+    path = write(tmp_path, "g.yaml", text)
+    with pytest.raises(ConfigError) as info:
+        load_gateway_config(path, env={})
+    assert needle in str(info.value) and str(path) in str(info.value)
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("tenants: [{id: 'bad id'}]", "tenants.0.id"),
+    ("tenants: [{id: a, keys: [sk-plain]}]", "sha256"),
+    ("tenants: [{id: a}, {id: a}]", "unique"),
+    ("tenants: [{id: a, priority: {min: 5, max: 1, default: 3}}]", "priority"),
+    ("tenants: [{id: a, caps: {on_exceed: ignore}}]", "on_exceed"),
+    (f"tenants: [{{id: a, keys: ['sha256:{'0' * 64}']}}, {{id: b, keys: ['sha256:{'0' * 64}']}}]",
+     "one key"),
+])
+def test_tenant_errors_name_the_field(tmp_path: Path, text: str, needle: str) -> None:
+    path = write(tmp_path, "t.yaml", text)
+    with pytest.raises(ConfigError) as info:
+        load_tenants(path)
+    assert needle in str(info.value)
+
+
+def test_missing_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read .*nope.yaml"):
+        load_gateway_config(tmp_path / "nope.yaml", env={})
+
+
+def test_the_gateway_command_refuses_a_bad_config(tmp_path: Path) -> None:
+    path = write(tmp_path, "g.yaml", "models: []")
+    proc = subprocess.run([sys.executable, "-m", "sluice.cli", "gateway", "--config", str(path)],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and "models" in proc.stderr
+
+
+def test_hash_key_command() -> None:
+    proc = subprocess.run([sys.executable, "-m", "sluice.cli", "hash-key", "sk-demo-beta"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.stdout.strip() == ("sha256:577fa7d4312b173a1af7c3f154de007bfecfde4e48ac3f92d8"
+                                   "ccbeb57feacd71")
