@@ -41,33 +41,30 @@ def demo_tenants() -> Any:
 
 def _serve(app: Any, host: str, port: int, log_level: str, access_log: bool,
            shutdown_timeout_s: float, on_ready: Any = None) -> int:
-    import asyncio
-
+    """Serve until SIGTERM/SIGINT, then drain gracefully and return (exit status 0)."""
     import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # uvicorn re-raises a captured signal after shutting down, which would kill us
+            # before `sluice up` stops its backend; handle it as a plain graceful exit.
+            app.state.draining = True  # /readyz turns 503 while in-flight requests finish
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started and on_ready is not None:
+                on_ready()
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             access_log=access_log, loop="auto", http="auto",
-                            timeout_graceful_shutdown=shutdown_timeout_s, lifespan="on",
-                            backlog=4096)
-    server = uvicorn.Server(config)
-
-    async def run() -> None:
-        task = asyncio.ensure_future(server.serve())
-        while not server.started and not task.done():
-            await asyncio.sleep(0.05)
-        if server.started and on_ready is not None:
-            on_ready()
-        await task
-
-    try:
-        if sys.platform != "win32":
-            import uvloop
-
-            uvloop.run(run())
-        else:
-            asyncio.run(run())
-    except KeyboardInterrupt:
-        pass
+                            # typed int, but uvicorn hands it to asyncio.wait_for
+                            timeout_graceful_shutdown=max(0.1, shutdown_timeout_s),  # type: ignore[arg-type]
+                            lifespan="on", backlog=4096)
+    server = Server(config)
+    server.run()
     return 0 if server.started else 1
 
 
