@@ -1,0 +1,90 @@
+"""The request contract: types, unknown fields, features per upstream, extensions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gateway.config import OPENAI_CAPABILITIES, SLUICE_CAPABILITIES
+from gateway.contract import check_capabilities, parse
+from gateway.errors import BadRequest
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def refused(kind: str, body: dict[str, Any], caps: frozenset[str] = SLUICE_CAPABILITIES) -> str:
+    with pytest.raises(BadRequest) as info:
+        check_capabilities(parse(kind, body), "m", caps)  # type: ignore[arg-type]
+    assert info.value.param is not None
+    return info.value.param
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"messages": MSGS}, "model"),
+    ({"model": "m"}, "messages"),
+    ({"model": "m", "messages": []}, "messages"),
+    ({"model": "m", "messages": [{"content": "no role"}]}, "messages"),
+    ({"model": "m", "messages": MSGS, "max_tokens": "10"}, "max_tokens"),  # strict types
+    ({"model": "m", "messages": MSGS, "max_tokens": 0}, "max_tokens"),
+    ({"model": "m", "messages": MSGS, "temperature": 3}, "temperature"),
+    ({"model": "m", "messages": MSGS, "stream": 1}, "stream"),
+    ({"model": "m", "messages": MSGS, "frobnicate": True}, "frobnicate"),
+    ({"model": "m", "messages": MSGS, "cache_salt": "x"}, "cache_salt"),
+    ({"model": "m", "messages": MSGS, "deadline_ms": 0}, "deadline_ms"),
+    ({"model": "m", "messages": MSGS, "priority": 1.5}, "priority"),
+    ({"model": "m", "messages": MSGS, "stream_options": {"include_usage": True, "x": 1}},
+     "stream_options"),
+])
+def test_invalid_chat_bodies_name_the_field(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(BadRequest) as info:
+        parse("chat", body)
+    assert info.value.param == param, info.value.message
+
+
+def test_batched_prompts_are_refused_but_token_ids_are_fine() -> None:
+    assert parse("completion", {"model": "m", "prompt": [1, 2, 3]})
+    with pytest.raises(BadRequest) as info:
+        parse("completion", {"model": "m", "prompt": ["a", "b"]})
+    assert info.value.param == "prompt"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"n": 2}, "n"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logprobs": True}, "logprobs"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"logit_bias": {"1": 2}}, "logit_bias"),
+    ({"stream": True, "stream_options": {"include_usage": True,
+                                         "continuous_usage_stats": True}}, None),
+])
+def test_features_the_bundled_backend_lacks_are_refused(body: dict[str, Any],
+                                                        param: str | None) -> None:
+    full = {"model": "m", "messages": MSGS, **body}
+    if param is None:  # the bundled backend has it; a plain OpenAI server does not
+        check_capabilities(parse("chat", full), "m", SLUICE_CAPABILITIES)
+        assert refused("chat", full, OPENAI_CAPABILITIES) == "stream_options"
+    else:
+        assert refused("chat", full) == param
+        check_capabilities(parse("chat", full), "m", OPENAI_CAPABILITIES | {"n", "tools"})
+
+
+def test_default_values_of_missing_features_pass() -> None:
+    body = {"model": "m", "messages": MSGS, "n": 1, "logprobs": False, "presence_penalty": 0,
+            "response_format": {"type": "text"}, "tool_choice": "none", "top_k": -1}
+    check_capabilities(parse("chat", body), "m", SLUICE_CAPABILITIES)
+
+
+def test_stream_options_need_streaming() -> None:
+    assert refused("chat", {"model": "m", "messages": MSGS,
+                            "stream_options": {"include_usage": True}}) == "stream_options"
+
+
+def test_completion_only_features() -> None:
+    assert refused("completion", {"model": "m", "prompt": "x", "echo": True}) == "echo"
+    assert refused("completion", {"model": "m", "prompt": "x", "best_of": 3}) == "best_of"
+    with pytest.raises(BadRequest) as info:
+        parse("completion", {"model": "m", "prompt": "x", "messages": MSGS})
+    assert info.value.param == "messages"
