@@ -26,26 +26,33 @@ from starlette.routing import Route
 from .config import GatewayConfig, TenantsFile
 from .errors import GatewayError, InternalError, MethodNotAllowed, NotFound
 from .metrics import CONTENT_TYPE
-from .relay import ProxyEndpoint, header
+from .relay import ProxyEndpoint, clean_request_id, header
 from .service import Gateway
 
 log = logging.getLogger("sluice.gateway")
 
-MAX_REQUEST_ID_LEN = 128
 READY_CACHE_S = 1.0
 _ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/healthz",
                      "/readyz", "/metrics"})
 
 
-def clean_request_id(raw: bytes | None) -> str | None:
-    """The client's x-request-id if it is short printable ASCII, else None (we make one)."""
-    if not raw or len(raw) > MAX_REQUEST_ID_LEN:
-        return None
-    try:
-        text = raw.decode("ascii")
-    except UnicodeDecodeError:
-        return None
-    return text if text.isprintable() and text.strip() == text else None
+class FastLane:
+    """The outermost ASGI layer: ``POST`` to the two generation routes goes straight to its
+    endpoint; everything else (other routes, lifespan) to Starlette. Through Starlette's
+    middleware stack every SSE event would pass three ``send`` wrappers on its way out."""
+
+    def __init__(self, app: Starlette, endpoints: dict[str, ProxyEndpoint]) -> None:
+        self.app = app
+        self.endpoints = endpoints
+        self.state = app.state
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = self.endpoints.get(scope["path"])
+            if endpoint is not None:
+                await endpoint(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class RequestIdMiddleware:
@@ -167,8 +174,9 @@ async def _refresh_loop(gw: Gateway, interval: float) -> None:
 
 
 def create_app(config: GatewayConfig, tenants: TenantsFile, *,
-               transport: httpx.AsyncBaseTransport | None = None) -> Starlette:
-    """The gateway app; ``transport`` replaces the network for tests."""
+               transport: httpx.AsyncBaseTransport | None = None) -> FastLane:
+    """The gateway app (``.state.gateway`` once started); ``transport`` replaces httpx's
+    network for tests."""
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -184,9 +192,15 @@ def create_app(config: GatewayConfig, tenants: TenantsFile, *,
                 await refresher
             await gw.aclose()
 
+    from starlette.datastructures import State
+
+    state = State()
+    chat = ProxyEndpoint("chat", "/v1/chat/completions", state)
+    completion = ProxyEndpoint("completion", "/v1/completions", state)
     routes = [
-        Route("/v1/chat/completions", ProxyEndpoint("chat"), methods=["POST"]),
-        Route("/v1/completions", ProxyEndpoint("completion"), methods=["POST"]),
+        # POSTs never get here (FastLane takes them); these answer other methods with 405
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completion, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
@@ -194,7 +208,8 @@ def create_app(config: GatewayConfig, tenants: TenantsFile, *,
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_exception, Exception: _unhandled})
+    app.state = state
     app.state.draining = False
     app.state.gateway = None
     app.add_middleware(RequestIdMiddleware, app_state=app.state)
-    return app
+    return FastLane(app, {"/v1/chat/completions": chat, "/v1/completions": completion})

@@ -2,9 +2,9 @@
 
 Each request runs as two tasks: the work (validation, upstream call, relay) and a watcher
 on the client's connection. When the client leaves, at any stage, the watcher cancels the
-work; cancellation closes the upstream response (httpx closes its connection when a response
-is closed unread), which the bundled backend sees as a disconnect and aborts the request in
-the engine. Settlement runs in ``finally``, so it happens however the request ends.
+work; cancellation closes the upstream response (``http_client`` closes the connection
+when a response is closed unread), which the bundled backend sees as a disconnect and
+aborts the request in the engine. Settlement runs in ``finally``, so it happens however the request ends.
 
 The relay keeps at most one partial SSE event buffered and writes each batch of events as it
 arrives; ``send`` waits while the client's socket is full, so a slow reader slows the
@@ -16,21 +16,22 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from typing import Any
 
-import httpx
-
 from .errors import (
-    AuthenticationFailed,
     BadGateway,
     BadRequest,
     GatewayError,
     GatewayTimeout,
+    InternalError,
     PayloadTooLarge,
     RevisionMismatch,
     ServiceUnavailable,
 )
+from .http_client import ConnectFailed, ProtocolFailed, ReadTimeout, Response
 from .service import Gateway, Prepared
+from .sse import DONE, ChunkRewriter, dumps
 from .stamp import Stamp
 from .tenants import Tenant
 from .upstream import RESOLVED_HEADER, UpstreamError
@@ -40,11 +41,10 @@ log = logging.getLogger("sluice.gateway.relay")
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
-DONE = b"data: [DONE]\n\n"
 MAX_EVENT_BYTES = 4 * 1024 * 1024  # one SSE event from the upstream; more is a broken stream
 MAX_WHOLE_BYTES = 64 * 1024 * 1024  # one non-streamed answer
 UPSTREAM_RETRY_AFTER_S = 1.0
-dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+MAX_REQUEST_ID_LEN = 128
 
 
 class ClientGone(Exception):
@@ -105,13 +105,45 @@ def stamp_headers(stamp: Stamp | None) -> list[tuple[bytes, bytes]]:
     return [(b"x-sluice-resolved", stamp.header_value().encode("latin-1", "replace"))]
 
 
-async def send_error(send: Any, err: GatewayError, stamp: Stamp | None) -> None:
+def clean_request_id(raw: bytes | None) -> str | None:
+    """The client's x-request-id if it is short printable ASCII, else None (we make one)."""
+    if not raw or len(raw) > MAX_REQUEST_ID_LEN:
+        return None
+    try:
+        text = raw.decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    return text if text.isprintable() and text.strip() == text else None
+
+
+class Reply:
+    """The client's side of the exchange. ``start`` adds x-request-id and counts the status;
+    body messages go straight to the server's ``send`` (no wrapper per SSE event)."""
+
+    __slots__ = ("metrics", "request_id", "route", "send", "started", "tenant")
+
+    def __init__(self, send: Any, request_id: str, route: str, metrics: Any) -> None:
+        self.send = send
+        self.request_id = request_id
+        self.route = route
+        self.metrics = metrics
+        self.tenant = "-"
+        self.started = False
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        headers.append((b"x-request-id", self.request_id.encode()))
+        self.metrics.observe_response(self.route, self.tenant, status)
+        self.started = True
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+
+
+async def send_error(reply: Reply, err: GatewayError, stamp: Stamp | None) -> None:
     body = err.json_bytes()
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode())]
     headers += stamp_headers(stamp) + err.headers()
-    await send({"type": "http.response.start", "status": err.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+    await reply.start(err.status, headers)
+    await reply.send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 def error_event(err: GatewayError) -> bytes:
@@ -122,32 +154,46 @@ def error_event(err: GatewayError) -> bytes:
 
 
 class ProxyEndpoint:
-    """ASGI endpoint for ``POST /v1/chat/completions`` or ``/v1/completions``."""
+    """ASGI endpoint for ``POST /v1/chat/completions`` or ``/v1/completions``.
 
-    def __init__(self, kind: str) -> None:
+    The app's outermost layer routes these two straight here, past Starlette's middleware
+    (see ``app.FastLane``), so this endpoint is its own last line of defence: an unexpected
+    exception is logged and answered with a 500 in OpenAI's shape, never a stack trace.
+    """
+
+    def __init__(self, kind: str, route: str, app_state: Any) -> None:
         self.kind = kind
+        self.route = route
+        self.app_state = app_state  # Starlette's app.state: the lifespan puts the Gateway there
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        gw: Gateway = scope["app"].state.gateway
-        state = scope.setdefault("state", {})
+        gw: Gateway = self.app_state.gateway
+        request_id = clean_request_id(header(scope, b"x-request-id")) or uuid.uuid4().hex
+        reply = Reply(send, request_id, self.route, gw.metrics)
+        try:
+            await self._serve(gw, scope, receive, reply)
+        except Exception as exc:
+            log.exception("unhandled error (request id %s)", request_id, exc_info=exc)
+            if not reply.started:
+                await send_error(reply, InternalError(
+                    f"internal error ({type(exc).__name__}); request id {request_id}"), None)
+
+    async def _serve(self, gw: Gateway, scope: Scope, receive: Any, reply: Reply) -> None:
         try:
             tenant = gw.keyring.authenticate(header(scope, b"authorization"))
-            state["tenant"] = tenant.id
+            reply.tenant = tenant.id
             limit = gw.config.max_body_bytes
             if tenant.caps.max_body_bytes is not None:
                 limit = min(limit, tenant.caps.max_body_bytes)
             body = parse_json(await read_body(scope, receive, limit))
             deadline_ms = deadline_header(scope)
-        except AuthenticationFailed as err:
-            await send_error(send, err, None)
-            return
         except GatewayError as err:
-            await send_error(send, err, None)
+            await send_error(reply, err, None)
             return
         except ClientGone:
             return
         gw.metrics.inflight += 1
-        exchange = Exchange(gw, self.kind, tenant, state["request_id"], send)
+        exchange = Exchange(gw, self.kind, tenant, reply)
         work = asyncio.ensure_future(exchange.run(body, deadline_ms))
         watcher = asyncio.ensure_future(_wait_disconnect(receive))
         try:
@@ -176,13 +222,13 @@ async def _wait_disconnect(receive: Any) -> None:
 class Exchange:
     """One generation request from preparation to settlement."""
 
-    def __init__(self, gw: Gateway, kind: str, tenant: Tenant, request_id: str,
-                 send: Any) -> None:
+    def __init__(self, gw: Gateway, kind: str, tenant: Tenant, reply: Reply) -> None:
         self.gw = gw
         self.kind = kind
         self.tenant = tenant
-        self.request_id = request_id
-        self.send = send
+        self.request_id = reply.request_id
+        self.reply = reply
+        self.send = reply.send
         self.p: Prepared | None = None
         self.stamps: list[Stamp] = []
         self.started = False  # response headers sent to the client
@@ -198,7 +244,7 @@ class Exchange:
             self.p = await self.gw.prepare(self.kind, body, self.tenant,  # type: ignore[arg-type]
                                            self.request_id, header_deadline_ms, self.stamps)
         except GatewayError as err:
-            await send_error(self.send, err, self.stamps[0] if self.stamps else None)
+            await send_error(self.reply, err, self.stamps[0] if self.stamps else None)
             return
         try:
             await self._call_upstream(self.p)
@@ -210,7 +256,7 @@ class Exchange:
                 await self.send({"type": "http.response.body", "body": error_event(err),
                                  "more_body": False})
             else:
-                await send_error(self.send, err, self.p.stamp)
+                await send_error(self.reply, err, self.p.stamp)
         except asyncio.CancelledError:
             self.outcome = "cancelled"
             raise
@@ -221,28 +267,26 @@ class Exchange:
     async def _call_upstream(self, p: Prepared) -> None:
         up = p.upstream
         path = "/v1/chat/completions" if p.kind == "chat" else "/v1/completions"
-        request = up.client.build_request(
-            "POST", path, content=dumps(p.body).encode(),
-            headers={"content-type": "application/json", "accept-encoding": "identity",
-                     "x-request-id": p.request_id})
+        headers = [(b"content-type", b"application/json"),
+                   (b"x-request-id", p.request_id.encode())]
         try:
             async with asyncio.timeout_at(self._deadline_at(p)):
-                resp = await up.client.send(request, stream=True)
+                resp = await up.pool.post(path, dumps(p.body).encode(), headers)
         except TimeoutError:
             raise GatewayTimeout("the request's deadline passed before the model answered",
                                  code="deadline_exceeded") from None
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-            log.warning("model %s: upstream unreachable: %r", up.name, exc)
+        except ConnectFailed as exc:
+            log.warning("model %s: upstream unreachable: %s", up.name, exc)
             raise ServiceUnavailable(f"the model {up.name!r} is not reachable right now",
                                      retry_after_s=UPSTREAM_RETRY_AFTER_S) from None
-        except httpx.TimeoutException:
+        except ReadTimeout:
             raise GatewayTimeout(f"the model {up.name!r} did not answer in time",
                                  code="upstream_timeout") from None
-        except httpx.HTTPError as exc:
-            log.warning("model %s: upstream failed: %r", up.name, exc)
+        except ProtocolFailed as exc:
+            log.warning("model %s: upstream failed: %s", up.name, exc)
             raise BadGateway(f"the model {up.name!r} failed to answer") from None
         try:
-            if resp.status_code != 200:
+            if resp.status != 200:
                 raise await _upstream_error(resp, up.name)
             self.accepted = True
             await self._check_versions(p, resp)
@@ -250,14 +294,14 @@ class Exchange:
                 await self._relay_stream(p, resp)
             else:
                 await self._relay_whole(p, resp)
-        except httpx.TimeoutException:
+        except ReadTimeout:
             raise GatewayTimeout(f"the model {up.name!r} stopped sending",
                                  code="upstream_timeout") from None
-        except httpx.HTTPError as exc:
-            log.warning("model %s: upstream broke mid-answer: %r", up.name, exc)
+        except ProtocolFailed as exc:
+            log.warning("model %s: upstream broke mid-answer: %s", up.name, exc)
             raise BadGateway(f"the model {up.name!r} broke off its answer") from None
         finally:
-            await resp.aclose()
+            resp.close()
 
     @staticmethod
     def _deadline_at(p: Prepared) -> float | None:
@@ -266,11 +310,11 @@ class Exchange:
         # asyncio's clock is time.monotonic, like Prepared.deadline
         return p.deadline
 
-    async def _check_versions(self, p: Prepared, resp: httpx.Response) -> None:
+    async def _check_versions(self, p: Prepared, resp: Response) -> None:
         """The bundled backend names its versions on every answer; if they moved since the
         last refresh, re-read them so that this answer's stamp is the truth."""
         up = p.upstream
-        reported = resp.headers.get(RESOLVED_HEADER)
+        reported = resp.header(RESOLVED_HEADER)
         if reported is None or up.reported_header is None or reported == up.reported_header:
             return
         try:
@@ -291,15 +335,16 @@ class Exchange:
             headers.append((b"x-sluice-clamped", p.clamped.encode()))
         return headers
 
-    async def _relay_stream(self, p: Prepared, resp: httpx.Response) -> None:
-        rewriter = self.rewriter = ChunkRewriter(p, p.stamp.fingerprint())
+    async def _relay_stream(self, p: Prepared, resp: Response) -> None:
+        rewriter = self.rewriter = ChunkRewriter(p.stamp.model, p.stamp.fingerprint(),
+                                                 p.client_usage, p.client_continuous)
         headers = self._headers(p, b"text/event-stream; charset=utf-8")
         headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
-        await self.send({"type": "http.response.start", "status": 200, "headers": headers})
+        await self.reply.start(200, headers)
         self.started = True
         send = self.send
         buf = b""
-        async for raw in resp.aiter_raw():
+        async for raw in resp.body_chunks():
             buf = buf + raw if buf else raw
             end = buf.rfind(b"\n\n")
             if end < 0:
@@ -319,16 +364,10 @@ class Exchange:
         self.done = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def _relay_whole(self, p: Prepared, resp: httpx.Response) -> None:
-        parts: list[bytes] = []
-        size = 0
-        async for raw in resp.aiter_raw():
-            size += len(raw)
-            if size > MAX_WHOLE_BYTES:
-                raise BadGateway("the upstream's answer is too large")
-            parts.append(raw)
+    async def _relay_whole(self, p: Prepared, resp: Response) -> None:
+        raw = await resp.read(MAX_WHOLE_BYTES)
         try:
-            obj = json.loads(b"".join(parts))
+            obj = json.loads(raw)
             usage = obj.get("usage")
         except (ValueError, AttributeError):
             raise BadGateway(f"the model {p.upstream.name!r} sent a broken answer") from None
@@ -339,7 +378,7 @@ class Exchange:
         body = dumps(obj).encode()
         headers = self._headers(p, b"application/json")
         headers.append((b"content-length", str(len(body)).encode()))
-        await self.send({"type": "http.response.start", "status": 200, "headers": headers})
+        await self.reply.start(200, headers)
         self.started = True
         await self.send({"type": "http.response.body", "body": body, "more_body": False})
         self.done = True
@@ -371,14 +410,13 @@ def _int(value: Any, default: int) -> int:
     return value if isinstance(value, int) and value >= 0 else default
 
 
-async def _upstream_error(resp: httpx.Response, model: str) -> GatewayError:
+async def _upstream_error(resp: Response, model: str) -> GatewayError:
     """The client-facing error for an upstream's non-200 answer (never its internals)."""
-    raw = b""
-    async for chunk in resp.aiter_raw():
-        raw += chunk
-        if len(raw) > 64 * 1024:
-            break
-    status = resp.status_code
+    try:
+        raw = await resp.read(64 * 1024)
+    except (ProtocolFailed, ReadTimeout):
+        raw = b""
+    status = resp.status
     message = code = param = None
     try:
         err = json.loads(raw).get("error")
@@ -392,7 +430,7 @@ async def _upstream_error(resp: httpx.Response, model: str) -> GatewayError:
         # 401/403/404 from the upstream mean the gateway is misconfigured, not the client.
         log.warning("model %s: upstream answered %d: %s", model, status, message)
         if status == 503:
-            retry = resp.headers.get("retry-after")
+            retry = resp.header("retry-after")
             wait = float(retry) if retry and retry.isdigit() else UPSTREAM_RETRY_AFTER_S
             return ServiceUnavailable(f"the model {model!r} is unavailable right now",
                                       retry_after_s=wait)
@@ -403,59 +441,6 @@ async def _upstream_error(resp: httpx.Response, model: str) -> GatewayError:
     out.status = status
     out.type = "invalid_request_error"
     if status == 429:
-        retry = resp.headers.get("retry-after")
+        retry = resp.header("retry-after")
         out.retry_after_s = float(retry) if retry and retry.isdigit() else None
     return out
-
-
-class ChunkRewriter:
-    """Rewrites the upstream's SSE events for the client: the public model name, the
-    gateway's fingerprint, and usage only as the client asked for it."""
-
-    __slots__ = ("chunks", "client_continuous", "client_usage", "done", "error",
-                 "fingerprint", "model", "usage")
-
-    def __init__(self, p: Prepared, fingerprint: str) -> None:
-        self.model = p.stamp.model
-        self.fingerprint = fingerprint
-        self.client_usage = p.client_usage
-        self.client_continuous = p.client_continuous
-        self.usage: dict[str, Any] | None = None
-        self.chunks = 0
-        self.done = False
-        self.error = False
-
-    def rewrite(self, event: bytes) -> bytes | None:
-        if not event.startswith(b"data:"):
-            # comments (": keep-alive") and other fields pass as they are
-            return event + b"\n\n" if event.strip() else None
-        data = event[5:].strip()
-        if data == b"[DONE]":
-            self.done = True
-            return DONE
-        try:
-            obj = json.loads(data)
-        except ValueError:
-            raise BadGateway("the upstream sent a broken stream event") from None
-        if not isinstance(obj, dict):
-            raise BadGateway("the upstream sent a broken stream event")
-        if "error" in obj:
-            self.error = True
-            return b"data: " + data + b"\n\n"
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            self.usage = usage
-        choices = obj.get("choices")
-        if choices:
-            self.chunks += 1
-        obj["model"] = self.model
-        obj["system_fingerprint"] = self.fingerprint
-        if not choices and usage is not None:  # the usage chunk
-            if not self.client_usage:
-                return None
-        elif "usage" in obj:
-            if not self.client_usage:
-                del obj["usage"]
-            elif not self.client_continuous:
-                obj["usage"] = None
-        return b"data: " + dumps(obj).encode() + b"\n\n"

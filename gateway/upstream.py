@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 
 from .config import GatewayConfig, ModelEntry, StaticVersions
+from .http_client import Pool
 from .stamp import UpstreamVersions
 from .tokens import ByteCounter, LocalCounter, TokenCounter, UpstreamCounter
 
@@ -53,6 +54,9 @@ class Upstream:
                                 max_keepalive_connections=min(entry.max_connections, 256),
                                 keepalive_expiry=30.0),
         )
+        # The relay's hot path uses the lean pool; refreshes, probes and /v1/tokenize httpx.
+        self.pool = Pool(entry.upstream, max_connections=entry.max_connections,
+                         connect_s=t.connect_s, read_s=t.read_s, headers=headers)
         static = entry.versions or StaticVersions()
         self.versions: UpstreamVersions | None = None
         if entry.kind == "openai":
@@ -148,4 +152,5 @@ class Upstream:
                 "revision": v.revision if v else None}
 
     async def aclose(self) -> None:
+        self.pool.close()
         await self.client.aclose()

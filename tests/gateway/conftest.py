@@ -106,7 +106,9 @@ class ThreadedGateway:
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def _run(self) -> None:
-        self.loop = asyncio.new_event_loop()
+        import uvloop  # the loop `sluice gateway` runs on
+
+        self.loop = uvloop.new_event_loop()
         self.loop.run_until_complete(self.server.serve())
 
     def __enter__(self) -> Self:

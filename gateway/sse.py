@@ -1,0 +1,176 @@
+"""Rewriting the upstream's SSE events for the client.
+
+Each event gets the public model name and the gateway's ``system_fingerprint``, and its
+``usage`` as the client asked: dropped, ``null`` on content chunks (``include_usage``), or
+running counts (``continuous_usage_stats``). The last usage seen is kept for settlement.
+
+The first event is rewritten through ``json``; it also teaches the rewriter the exact bytes
+the upstream writes for its model and fingerprint fields (servers serialize every chunk of a
+stream the same way). Later events are rewritten by replacing those bytes and cutting the
+usage member, which costs a few byte scans instead of a parse and a dump per event. Any
+event that does not look exactly as expected (a field missing or repeated, an error) takes
+the ``json`` path, so the fast path never guesses.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from .errors import BadGateway
+
+DONE = b"data: [DONE]\n\n"
+dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+# A usage object: numbers and at most one level of nested objects (…_tokens_details).
+_USAGE_OBJECT = re.compile(rb"\{(?:[^{}]|\{[^{}]*\})*\}")
+
+
+def _encodings(value: str) -> list[bytes]:
+    """The ways a JSON encoder may write a string value."""
+    forms = {json.dumps(value).encode(), json.dumps(value, ensure_ascii=False).encode()}
+    return sorted(forms)
+
+
+def _find_member(data: bytes, key: str, value: str) -> tuple[bytes, bytes] | None:
+    """The exact bytes of ``"key":value`` in ``data`` (compact or spaced), found once."""
+    for sep in (b":", b": "):
+        for encoded in _encodings(value):
+            pattern = b'"' + key.encode() + b'"' + sep + encoded
+            if data.count(pattern) == 1:
+                return pattern, sep
+    return None
+
+
+class ChunkRewriter:
+    __slots__ = ("_fast", "_last_usage", "chunks", "client_continuous", "client_usage",
+                 "done", "error", "fingerprint", "model", "usage_seen")
+
+    def __init__(self, model: str, fingerprint: str, client_usage: bool,
+                 client_continuous: bool) -> None:
+        self.model = model
+        self.fingerprint = fingerprint
+        self.client_usage = client_usage
+        self.client_continuous = client_continuous
+        self.chunks = 0  # events with choices relayed
+        self.done = False  # [DONE] seen
+        self.error = False  # an error event seen
+        self.usage_seen = False
+        self._last_usage: Any = None  # a dict, or the raw bytes of the fast path
+        # (model pattern, its replacement, fp pattern, its replacement, usage key, choices=[])
+        self._fast: tuple[bytes, bytes, bytes, bytes, bytes, bytes] | None = None
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        """The last usage the upstream reported."""
+        raw = self._last_usage
+        if isinstance(raw, bytes):
+            try:
+                raw = json.loads(raw)
+            except ValueError:
+                raw = None
+            self._last_usage = raw
+        return raw if isinstance(raw, dict) else None
+
+    def rewrite(self, event: bytes) -> bytes | None:
+        if not event.startswith(b"data:"):
+            # comments (": keep-alive") and other fields pass as they are
+            return event + b"\n\n" if event.strip() else None
+        data = event[6:] if event.startswith(b"data: ") else event[5:].strip()
+        if data == b"[DONE]":
+            self.done = True
+            return DONE
+        if self._fast is not None:
+            out = self._rewrite_fast(data)
+            if out is not None:
+                return out or None
+        return self._rewrite_json(data)
+
+    # ---- the general path -------------------------------------------------------------------
+    def _rewrite_json(self, data: bytes) -> bytes | None:
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            raise BadGateway("the upstream sent a broken stream event") from None
+        if not isinstance(obj, dict):
+            raise BadGateway("the upstream sent a broken stream event")
+        if "error" in obj:
+            self.error = True
+            return b"data: " + data + b"\n\n"
+        if self._fast is None and self.chunks < 3:
+            self._learn(data, obj)
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            self._last_usage = usage
+            self.usage_seen = True
+        choices = obj.get("choices")
+        if choices:
+            self.chunks += 1
+        obj["model"] = self.model
+        obj["system_fingerprint"] = self.fingerprint
+        if not choices and usage is not None:  # the usage chunk
+            if not self.client_usage:
+                return None
+        elif "usage" in obj:
+            if not self.client_usage:
+                del obj["usage"]
+            elif not self.client_continuous:
+                obj["usage"] = None
+        return b"data: " + dumps(obj).encode() + b"\n\n"
+
+    def _learn(self, data: bytes, obj: dict[str, Any]) -> None:
+        model, fp = obj.get("model"), obj.get("system_fingerprint")
+        if not isinstance(model, str) or not isinstance(fp, str) or "usage" not in obj:
+            return  # nothing stable to replace: every event takes the json path
+        found_model = _find_member(data, "model", model)
+        found_fp = _find_member(data, "system_fingerprint", fp)
+        if found_model is None or found_fp is None:
+            return
+        (model_pat, sep), (fp_pat, _) = found_model, found_fp
+        comma = b"," if sep == b":" else b", "  # compact, or json.dumps' default spacing
+        usage_key = comma + b'"usage"' + sep
+        if data.count(usage_key) != 1:
+            return
+        self._fast = (model_pat, b'"model"' + sep + dumps(self.model).encode(),
+                      fp_pat, b'"system_fingerprint"' + sep + dumps(self.fingerprint).encode(),
+                      usage_key, b'"choices"' + sep + b"[]")
+
+    # ---- the fast path ----------------------------------------------------------------------
+    def _rewrite_fast(self, data: bytes) -> bytes | None:
+        """The rewritten event, b"" to drop it, or None when the json path must decide."""
+        model_pat, model_rep, fp_pat, fp_rep, usage_key, no_choices = self._fast  # type: ignore[misc]
+        if data.count(model_pat) != 1 or data.count(fp_pat) != 1 or b'"error"' in data \
+                or data.count(usage_key) != 1 or data[-1:] != b"}":
+            return None
+        at = data.find(usage_key)
+        value_at = at + len(usage_key)
+        if data.startswith(b"null", value_at):
+            end = value_at + 4
+            usage: bytes | None = None
+        else:
+            m = _USAGE_OBJECT.match(data, value_at)
+            if m is None:
+                return None
+            end = m.end()
+            usage = m.group()
+        usage_chunk = no_choices in data
+        if usage_chunk and usage is None:
+            return None  # a chunk without choices nor usage: let the json path judge
+        if usage is not None:
+            self._last_usage = usage
+            self.usage_seen = True
+        if not usage_chunk:
+            self.chunks += 1
+        if model_pat != model_rep:
+            data = data.replace(model_pat, model_rep)
+        data = data.replace(fp_pat, fp_rep)
+        if usage_chunk:
+            if not self.client_usage:
+                return b""
+        elif not self.client_usage:
+            at = data.find(usage_key)  # offsets moved with the replacements
+            data = data[:at] + data[at + len(usage_key) + (end - value_at):]
+        elif not self.client_continuous and usage is not None:
+            at = data.find(usage_key) + len(usage_key)
+            data = data[:at] + b"null" + data[at + (end - value_at):]
+        return b"data: " + data + b"\n\n"

@@ -1,0 +1,88 @@
+"""The SSE rewriter: its byte-level fast path gives exactly what the json path gives."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.sse import ChunkRewriter
+
+
+class JsonOnly(ChunkRewriter):
+    def _learn(self, data: bytes, obj: dict[str, Any]) -> None:
+        return  # never takes the fast path: the reference
+
+
+texts = st.text(max_size=12)  # any characters: quotes, braces, "usage", non-ASCII
+usage_obj = st.builds(
+    lambda p, c, cached: {"prompt_tokens": p, "completion_tokens": c,
+                          "total_tokens": p + c,
+                          **({"prompt_tokens_details": {"cached_tokens": cached}}
+                             if cached is not None else {})},
+    st.integers(0, 10**6), st.integers(0, 10**6), st.none() | st.integers(0, 99))
+
+
+@st.composite
+def streams(draw: Any) -> tuple[list[bytes], bool, bool]:
+    model = draw(st.sampled_from(["up-model", "ü-model", 'we"ird']))
+    fp = draw(st.sampled_from(["fp_up", "fp_ü"]))
+    running = draw(st.booleans())
+    events = []
+    n = draw(st.integers(1, 6))
+    for i in range(n):
+        chunk = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": model,
+                 "system_fingerprint": fp,
+                 "choices": [{"index": 0, "delta": {"content": draw(texts)},
+                              "finish_reason": "stop" if i == n - 1 else None}],
+                 "usage": draw(usage_obj) if running else None}
+        events.append(chunk)
+    events.append({"id": "x", "object": "chat.completion.chunk", "created": 1,
+                   "model": model, "system_fingerprint": fp, "choices": [],
+                   "usage": draw(usage_obj)})
+    compact = draw(st.booleans())
+    ascii_only = draw(st.booleans())
+    raw = [json.dumps(e, separators=(",", ":") if compact else (", ", ": "),
+                      ensure_ascii=ascii_only).encode() for e in events]
+    return [b"data: " + r for r in raw] + [b"data: [DONE]"], draw(st.booleans()), \
+        draw(st.booleans())
+
+
+def run(rewriter: ChunkRewriter, events: list[bytes]) -> list[Any]:
+    out = []
+    for e in events:
+        r = rewriter.rewrite(e)
+        if r is not None:
+            assert r.endswith(b"\n\n") and r.startswith(b"data: ")
+            body = r[6:-2]
+            out.append(body.decode() if body == b"[DONE]" else json.loads(body))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(streams())
+def test_fast_path_equals_json_path(stream: tuple[list[bytes], bool, bool]) -> None:
+    events, client_usage, client_continuous = stream
+    fast = ChunkRewriter("public", "fp_gateway", client_usage, client_continuous)
+    slow = JsonOnly("public", "fp_gateway", client_usage, client_continuous)
+    assert run(fast, events) == run(slow, events)
+    assert fast.usage == slow.usage and fast.chunks == slow.chunks and fast.done
+    assert fast._fast is not None  # the fast path was learned and used
+
+
+def test_the_fast_path_is_taken() -> None:
+    events = [(b'data: {"model":"m","system_fingerprint":"fp","choices":[{"delta":'
+              b'{"content":"a"}}],"usage":null}')] * 3
+    r = ChunkRewriter("pub", "fp_g", False, False)
+    outs = [r.rewrite(e) for e in events]
+    assert r._fast is not None
+    assert outs[-1] == b'data: {"model":"pub","system_fingerprint":"fp_g","choices":' \
+                       b'[{"delta":{"content":"a"}}]}\n\n'
+
+
+def test_error_events_pass_and_are_noted() -> None:
+    r = ChunkRewriter("pub", "fp_g", False, False)
+    out = r.rewrite(b'data: {"error": {"message": "x"}}')
+    assert out == b'data: {"error": {"message": "x"}}\n\n' and r.error
