@@ -1,0 +1,70 @@
+"""The overhead bench's open-loop client, driven against an in-process fake upstream."""
+
+from __future__ import annotations
+
+from loadtest.fake_upstream import FakeSettings, FakeUpstream
+from loadtest.load_client import NOT_SENT, Pool, Sample, check_stream, open_loop
+from loadtest.measure import Stats, Target, chat_request, interleaved, percentile
+
+
+def test_percentile_interpolates_between_ranks() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 50.5
+    assert percentile(values, 99) == 99.01
+    assert percentile([3.0], 99) == 3.0
+
+
+def _stream(*payloads: bytes) -> bytes:
+    return b"".join(b"data: " + p + b"\n\n" for p in payloads)
+
+
+def test_check_stream_counts_content_chunks_and_wants_done() -> None:
+    chunk = b'{"choices":[{"delta":{"content":"x"}}]}'
+    role = b'{"choices":[{"delta":{"role":"assistant","content":""}}]}'
+    usage = b'{"choices":[],"usage":{"completion_tokens":2}}'
+    good = Sample(due=0, status=200, body=_stream(role, chunk, chunk, usage, b"[DONE]"))
+    assert check_stream(good, 2) == ""
+    assert check_stream(good, 3) == "2 content chunks"
+    crlf = Sample(due=0, status=200, body=good.body.replace(b"\n", b"\r\n"))
+    assert check_stream(crlf, 2) == ""
+    assert check_stream(Sample(due=0, status=200, body=_stream(chunk)), 1) == "no [DONE]"
+    assert check_stream(Sample(due=0, status=401), 1) == "HTTP 401"
+    assert check_stream(Sample(due=0, error="timeout"), 1) == "timeout"
+
+
+async def test_open_loop_sends_the_schedule_on_kept_alive_connections() -> None:
+    async with FakeUpstream(settings=FakeSettings(chunks=5)) as up:
+        pool = Pool("127.0.0.1", up.port, chat_request(up.port, "sk-x"))
+        await pool.warm(4)
+        samples = await open_loop(pool, rate=200, seconds=0.25)
+        assert len(samples) == 50
+        assert all(check_stream(s, 5) == "" for s in samples)
+        assert all(s.due <= s.sent and s.sent < s.first <= s.done for s in samples)
+        assert pool.opened == 4 and pool.connecting == 0  # warm connections were enough
+        await pool.close()
+
+
+async def test_an_overloaded_target_gets_the_rest_of_its_schedule_as_not_sent() -> None:
+    # 50 chunks 20 ms apart: each answer takes a second, so requests pile up in flight.
+    async with FakeUpstream(settings=FakeSettings(chunks=50, delay_ms=20)) as up:
+        pool = Pool("127.0.0.1", up.port, chat_request(up.port, None))
+        samples = await open_loop(pool, rate=100, seconds=0.5, max_in_flight=10)
+        assert len(samples) == 50
+        unsent = [s for s in samples if s.error == NOT_SENT]
+        assert len(unsent) == 39  # the 12th request finds 11 in flight
+        assert all(check_stream(s, 50) == "" for s in samples if s.error != NOT_SENT)
+        await pool.close()
+
+
+async def test_interleaved_measures_each_target_alike() -> None:
+    async with FakeUpstream(settings=FakeSettings(chunks=20)) as up:
+        targets = [Target(name, Pool("127.0.0.1", up.port, chat_request(up.port, None)))
+                   for name in ("a", "b")]
+        stats = await interleaved(targets, rate=100, seconds=0.4, segment_s=0.1, chunks=20)
+        for target in targets:
+            await target.pool.close()
+    assert set(stats) == {"a", "b"}
+    for s in stats.values():
+        assert isinstance(s, Stats)
+        assert s.n == 40 and s.errors == 0
+        assert 0 < s.ttft_p50_ms <= s.e2e_p50_ms <= s.e2e_p99_ms
