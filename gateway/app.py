@@ -134,13 +134,24 @@ async def readyz(request: Request) -> Response:
         results = await asyncio.gather(*(gw.upstreams[n].probe() for n in names))
         checks = {n: {"ok": ok, "detail": detail} for n, (ok, detail) in
                   zip(names, results, strict=True)}
-        checks["store"] = {"ok": True, "detail": "in-memory"}
+        checks["store"] = await _store_check(gw)
         cached = (now, checks)
         state.ready_cache = cached
     checks = cached[1]
     ready = all(c["ok"] for c in checks.values()) and not state.draining
     return JSONResponse({"status": "ready" if ready else "not_ready", "checks": checks},
                         status_code=200 if ready else 503)
+
+
+async def _store_check(gw: Gateway) -> dict[str, Any]:
+    from policies.store import StoreUnavailable
+
+    adm = gw.admission
+    try:
+        await adm.store.ping()
+    except StoreUnavailable as exc:
+        return {"ok": False, "detail": f"{type(adm.store).__name__}: {exc}"}
+    return {"ok": True, "detail": type(adm.store).__name__}
 
 
 async def metrics(request: Request) -> Response:
@@ -182,6 +193,7 @@ def create_app(config: GatewayConfig, tenants: TenantsFile, *,
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         gw = Gateway(config, tenants, transport)
         await gw.refresh_all()
+        gw.admission.start()
         app.state.gateway = gw
         refresher = asyncio.ensure_future(_refresh_loop(gw, config.refresh_interval_s))
         try:

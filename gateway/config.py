@@ -4,7 +4,8 @@
 ``tenants.yaml`` says who may call (keys stored only as SHA-256 hashes) and within which
 limits. Every setting of ``gateway.yaml`` can be overridden by an environment variable
 ``SLUICE_<PATH>``, nested keys joined by ``__`` (``SLUICE_LISTEN__PORT=9000``); the value is
-read as YAML, so numbers and booleans keep their types.
+read as YAML, so numbers and booleans keep their types. ``SLUICE_REDIS_URL`` sets
+``store.url``.
 """
 
 from __future__ import annotations
@@ -122,8 +123,32 @@ class ModelEntry(_Strict):
         return self.upstream_model or self.name
 
 
+class StoreConfig(_Strict):
+    """Where quotas are kept: in this process (one replica), or Redis (shared by replicas)."""
+
+    url: str | None = None  # redis://host:port/db; None: in-memory (one process only)
+    timeout_s: float = Field(0.25, gt=0)  # every store call; past it the fail mode applies
+    replicas: int = Field(1, ge=1)  # gateway replicas: fail-open admits limit / replicas
+
+    @field_validator("url")
+    @classmethod
+    def _redis(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^rediss?://", v):
+            raise ValueError("store.url must be a redis:// or rediss:// URL")
+        return v
+
+
+class AdmissionConfig(_Strict):
+    lease_ttl_s: float = Field(30.0, gt=0)  # a dead replica's leases expire after this
+    # The worst case reserved for a request without max_tokens on a model whose context
+    # length is unknown; settlement charges what was really generated.
+    default_max_tokens: int = Field(4096, ge=1)
+
+
 class GatewayConfig(_Strict):
     listen: Listen = Listen()
+    store: StoreConfig = StoreConfig()
+    admission: AdmissionConfig = AdmissionConfig()
     tenants_file: Path = Path("tenants.yaml")
     models: list[ModelEntry] = Field(min_length=1)
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
@@ -162,6 +187,17 @@ class Caps(_Strict):
     on_exceed: Literal["reject", "clamp"] = "reject"
 
 
+class QuotasConfig(_Strict):
+    """Omitted = unlimited."""
+
+    tokens_per_minute: int | None = Field(None, ge=0)
+    requests_per_minute: int | None = Field(None, ge=0)
+    tokens_per_day: int | None = Field(None, ge=0)
+    tokens_per_month: int | None = Field(None, ge=0)
+    max_concurrency: int | None = Field(None, ge=0)
+    max_queued: int | None = Field(None, ge=0)
+
+
 class TenantEntry(_Strict):
     id: str
     name: str = ""
@@ -169,6 +205,9 @@ class TenantEntry(_Strict):
     models: list[str] = Field(default_factory=lambda: ["*"])
     priority: PriorityRange = PriorityRange()
     caps: Caps = Caps()
+    quotas: QuotasConfig = QuotasConfig()
+    # closed: 503 while the store is unreachable; open: admit within limit / replicas locally
+    fail_mode: Literal["closed", "open"] = "closed"
 
     @field_validator("id")
     @classmethod
@@ -228,7 +267,10 @@ def apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
     """``SLUICE_A__B=v`` sets ``raw["a"]["b"] = yaml(v)``; list-valued keys are not addressable."""
     out = dict(raw)
     for name, value in env.items():
-        if not name.startswith(ENV_PREFIX) or name in ("SLUICE_REDIS_URL",):
+        if name == "SLUICE_REDIS_URL":
+            out["store"] = {**(out.get("store") or {}), "url": value or None}
+            continue
+        if not name.startswith(ENV_PREFIX):
             continue
         path = [p.lower() for p in name[len(ENV_PREFIX):].split("__") if p]
         if not path or path[0] not in GatewayConfig.model_fields or path[0] == "models":

@@ -9,6 +9,7 @@
     ├── NotFound                    404 (unknown route)
     ├── MethodNotAllowed            405
     ├── PayloadTooLarge             413 (body bytes or prompt tokens over the tenant's cap)
+    ├── RateLimited                 429 + Retry-After (a tenant quota; admission.py)
     ├── BadGateway                  502 (the upstream failed: 5xx, broken answer)
     ├── ServiceUnavailable          503 + Retry-After (upstream unreachable, draining)
     ├── GatewayTimeout              504 (deadline passed, upstream silent past read timeout)
@@ -37,6 +38,7 @@ class GatewayError(Exception):
             self.code = code
         self.retry_after_s = retry_after_s
         self.should_retry = should_retry
+        self.extra_headers: list[tuple[bytes, bytes]] = []  # e.g. x-ratelimit-*
 
     def body(self) -> dict[str, object]:
         return {"error": {"message": self.message, "type": self.type, "code": self.code,
@@ -53,7 +55,7 @@ class GatewayError(Exception):
             out.append((b"retry-after-ms", str(math.ceil(wait * 1000)).encode()))
         if self.should_retry is not None:
             out.append((b"x-should-retry", b"true" if self.should_retry else b"false"))
-        return out
+        return out + self.extra_headers
 
 
 class BadRequest(GatewayError):

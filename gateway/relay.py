@@ -19,6 +19,7 @@ import logging
 import uuid
 from typing import Any
 
+from .admission import Ticket
 from .errors import (
     BadGateway,
     BadRequest,
@@ -238,6 +239,7 @@ class Exchange:
         self.outcome = "ok"
         self.usage: dict[str, Any] | None = None  # usage of a whole answer
         self.rewriter: ChunkRewriter | None = None  # a stream's: last usage, chunks relayed
+        self.ticket: Ticket | None = None  # the granted reservation
 
     async def run(self, body: dict[str, Any], header_deadline_ms: int | None) -> None:
         try:
@@ -245,6 +247,11 @@ class Exchange:
                                            self.request_id, header_deadline_ms, self.stamps)
         except GatewayError as err:
             await send_error(self.reply, err, self.stamps[0] if self.stamps else None)
+            return
+        try:
+            self.ticket = await self._reserve(self.p)
+        except GatewayError as err:
+            await send_error(self.reply, err, self.p.stamp)
             return
         try:
             await self._call_upstream(self.p)
@@ -262,6 +269,21 @@ class Exchange:
             raise
         finally:
             self._settle(self.p)
+
+    async def _reserve(self, p: Prepared) -> Ticket:
+        """Reserve the worst case. The store call is shielded: a client leaving mid-call
+        must not leave a granted reservation behind, so it is settled at zero instead."""
+        adm = self.gw.admission
+        call = asyncio.ensure_future(adm.reserve(self.tenant, p.request_id, p.worst_case))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            def undo(done: asyncio.Future[Ticket]) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    adm.settle(done.result(), 0)
+
+            call.add_done_callback(undo)
+            raise
 
     # ---- the upstream call ----------------------------------------------------------------
     async def _call_upstream(self, p: Prepared) -> None:
@@ -331,6 +353,8 @@ class Exchange:
 
     def _headers(self, p: Prepared, content_type: bytes) -> list[tuple[bytes, bytes]]:
         headers = [(b"content-type", content_type)] + stamp_headers(p.stamp)
+        if self.ticket is not None:
+            headers += self.ticket.decision.rate.as_headers()
         if p.clamped:
             headers.append((b"x-sluice-clamped", p.clamped.encode()))
         return headers
@@ -400,6 +424,8 @@ class Exchange:
             exact = bool(usage) and (p.prompt_exact or "prompt_tokens" in usage)
         if self.client_gone and not self.done:
             self.outcome = "cancelled"
+        if self.ticket is not None:
+            self.gw.admission.settle(self.ticket, prompt + completion)
         self.gw.ledger.settle(Settlement(
             request_id=self.request_id, tenant=self.tenant.id, model=p.upstream.name,
             prompt_tokens=prompt, completion_tokens=completion, outcome=self.outcome,

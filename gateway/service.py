@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from .admission import Admission
 from .config import GatewayConfig, TenantsFile
 from .contract import ChatRequest, CompletionRequest, Kind, check_capabilities, parse
 from .errors import (
@@ -55,6 +56,7 @@ class Prepared:
     max_tokens: int | None  # the limit the upstream gets (None: the upstream's default)
     body: dict[str, Any]  # what the upstream gets
     pin: str | None = None  # the revision the client pinned, if any
+    worst_case: int = 0  # prompt + the most tokens it may generate: what admission reserves
     clamped: str | None = None  # x-sluice-clamped value
     deadline: float | None = None  # monotonic time the client gives up at
     received: float = field(default_factory=time.monotonic)
@@ -69,6 +71,7 @@ class Gateway:
             m.name: Upstream(m, config, transport) for m in config.models}
         self.ledger = UsageLedger()
         self.metrics = GatewayMetrics()
+        self.admission = Admission(config)
         self.created = int(time.time())
         self._refreshing: dict[str, asyncio.Task[None]] = {}
 
@@ -90,6 +93,7 @@ class Gateway:
         await asyncio.shield(task)
 
     async def aclose(self) -> None:
+        await self.admission.aclose()
         for task in self._refreshing.values():
             task.cancel()
         await asyncio.gather(*self._refreshing.values(), return_exceptions=True)
@@ -183,7 +187,14 @@ class Gateway:
             if "continuous_usage_stats" in up.capabilities:
                 wanted["continuous_usage_stats"] = True
             out["stream_options"] = wanted
+        if max_tokens is not None:
+            generated = max_tokens
+        elif up.max_model_len is not None and up.counter.exact:
+            generated = max(1, up.max_model_len - prompt_tokens)
+        else:
+            generated = self.config.admission.default_max_tokens
         return Prepared(
+            worst_case=prompt_tokens + generated,
             kind=kind, request_id=request_id, tenant=tenant, upstream=up, stamp=stamp,
             stream=stream, client_usage=client_usage, client_continuous=client_continuous,
             priority=priority, prompt_tokens=prompt_tokens, prompt_exact=up.counter.exact,

@@ -13,6 +13,8 @@ import hmac
 import json
 from dataclasses import dataclass
 
+from policies.quotas import Quotas
+
 from .config import Caps, PriorityRange, TenantEntry, TenantsFile
 from .errors import AuthenticationFailed
 
@@ -32,6 +34,9 @@ class Tenant:
     models: frozenset[str]  # "*" allows every model
     priority: PriorityRange
     caps: Caps
+    quotas: Quotas
+    max_queued: int | None
+    fail_mode: str  # closed | open
     policy_version: str  # `<id>@<12 hex>` of everything but the keys: goes into the stamp
 
     def may_use(self, model: str) -> bool:
@@ -41,8 +46,15 @@ class Tenant:
     def from_entry(cls, entry: TenantEntry) -> Tenant:
         policy = entry.model_dump(mode="json", exclude={"keys"})
         digest = hashlib.sha256(json.dumps(policy, sort_keys=True).encode()).hexdigest()
+        q = entry.quotas
         return cls(id=entry.id, name=entry.name or entry.id, models=frozenset(entry.models),
                    priority=entry.priority, caps=entry.caps,
+                   quotas=Quotas(tokens_per_minute=q.tokens_per_minute,
+                                 requests_per_minute=q.requests_per_minute,
+                                 tokens_per_day=q.tokens_per_day,
+                                 tokens_per_month=q.tokens_per_month,
+                                 max_concurrency=q.max_concurrency),
+                   max_queued=q.max_queued, fail_mode=entry.fail_mode,
                    policy_version=f"{entry.id}@{digest[:12]}")
 
 

@@ -1,0 +1,204 @@
+"""The gateway's side of admission: reserve the worst case, keep the lease alive, settle.
+
+    reserve  one atomic store call per request: prompt + max_tokens from every budget of the
+             tenant, plus a concurrency lease with a TTL. Denied: 429 naming the limit, with
+             Retry-After computed by the store (bucket refill, lease expiry, period end).
+    renew    one background task renews every live lease each ``lease_ttl_s / 3`` seconds,
+             so a long stream keeps its lease and a killed replica's leases expire.
+    settle   however the request ends, in a task the ``Admission`` owns (a cancelled request
+             cannot cancel its own settlement): actual = prompt + generated; the store
+             refunds the rest, idempotently by request id.
+
+When the store cannot be reached, the tenant's ``fail_mode`` decides: ``closed`` answers 503
+with Retry-After; ``open`` admits against a local in-memory store holding limit ÷ replicas,
+counted in ``sluice_gateway_fail_open_total`` and logged — never silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from policies.memory import MemoryStore
+from policies.quotas import Decision, Quotas
+from policies.store import Store, StoreError, StoreUnavailable
+
+from .config import GatewayConfig
+from .errors import GatewayError, ServiceUnavailable
+from .tenants import Tenant
+
+log = logging.getLogger("sluice.gateway.admission")
+
+NO_RETRY_AFTER_S = 120.0  # past this wait, x-should-retry: false
+STORE_RETRY_AFTER_S = 1.0
+_LOG_EVERY_S = 10.0
+
+
+class RateLimited(GatewayError):
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+
+_LIMIT_WORDS = {
+    "tokens_per_minute": "tokens per minute",
+    "requests_per_minute": "requests per minute",
+    "tokens_per_day": "tokens per day",
+    "tokens_per_month": "tokens per month",
+    "max_concurrency": "concurrent requests",
+}
+
+
+@dataclass(slots=True)
+class Ticket:
+    """A granted reservation: what to settle, where."""
+
+    tenant: str
+    request_id: str
+    tokens: int
+    store: Store
+    decision: Decision
+    local: bool  # admitted by the fail-open local share
+
+
+def build_store(config: GatewayConfig) -> Store:
+    if config.store.url is None:
+        return MemoryStore()
+    from policies.redis_store import RedisStore
+
+    return RedisStore(config.store.url, timeout_s=config.store.timeout_s)
+
+
+def local_share(q: Quotas, replicas: int) -> Quotas:
+    """This replica's conservative share of a tenant's limits while the store is down."""
+    def part(v: int | None) -> int | None:
+        return None if v is None else v // replicas
+
+    return replace(q, tokens_per_minute=part(q.tokens_per_minute),
+                   requests_per_minute=part(q.requests_per_minute),
+                   tokens_per_day=part(q.tokens_per_day),
+                   tokens_per_month=part(q.tokens_per_month),
+                   max_concurrency=part(q.max_concurrency))
+
+
+class Admission:
+    def __init__(self, config: GatewayConfig, store: Store | None = None) -> None:
+        self.config = config
+        self.store = store or build_store(config)
+        self.local = MemoryStore()
+        self.lease_ttl_s = config.admission.lease_ttl_s
+        self.replicas = config.store.replicas
+        self.live: dict[str, Ticket] = {}
+        self.fail_open: dict[str, int] = {}  # tenant -> requests admitted by the local share
+        self.store_errors = 0
+        self.rejects: dict[tuple[str, str], int] = {}  # (tenant, limit) -> count
+        self._settling: set[asyncio.Task[None]] = set()
+        self._renewer: asyncio.Task[None] | None = None
+        self._last_log = 0.0
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._renewer = asyncio.ensure_future(self._renew_loop())
+
+    async def aclose(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewer
+        if self._settling:
+            await asyncio.wait(self._settling, timeout=5.0)
+        await self.store.close()
+
+    # ---- reserve --------------------------------------------------------------------------
+    async def reserve(self, tenant: Tenant, request_id: str, tokens: int) -> Ticket:
+        """A granted ticket, or a 429 / 503 ``GatewayError`` (nothing taken)."""
+        store: Store = self.store
+        quotas = tenant.quotas
+        local = False
+        try:
+            decision = await store.reserve(tenant.id, request_id, tokens, quotas,
+                                           self.lease_ttl_s)
+        except StoreUnavailable as exc:
+            self.store_errors += 1
+            if tenant.fail_mode != "open":
+                self._log_store_down(exc, tenant, "refusing (fail_mode closed)")
+                raise ServiceUnavailable("admission is unavailable right now (quota store "
+                                         "unreachable)", retry_after_s=STORE_RETRY_AFTER_S,
+                                         code="store_unavailable") from None
+            self._log_store_down(exc, tenant, "admitting within the local share "
+                                              "(fail_mode open)")
+            store, local = self.local, True
+            quotas = local_share(quotas, self.replicas)
+            decision = await store.reserve(tenant.id, request_id, tokens, quotas,
+                                           self.lease_ttl_s)
+            if decision.granted:
+                self.fail_open[tenant.id] = self.fail_open.get(tenant.id, 0) + 1
+        except StoreError as exc:  # a duplicate request id: a bug or a replayed id
+            raise ServiceUnavailable(f"admission refused the request: {exc}",
+                                     retry_after_s=STORE_RETRY_AFTER_S) from None
+        if not decision.granted:
+            raise self._denial(tenant, decision, tokens)
+        ticket = Ticket(tenant.id, request_id, tokens, store, decision, local)
+        self.live[request_id] = ticket
+        return ticket
+
+    def _denial(self, tenant: Tenant, d: Decision, tokens: int) -> GatewayError:
+        limit = d.denied_by or "quota"
+        key = (tenant.id, limit)
+        self.rejects[key] = self.rejects.get(key, 0) + 1
+        words = _LIMIT_WORDS.get(limit, limit)
+        value = getattr(tenant.quotas, limit, None)
+        if d.retry_after_s is None:
+            err = RateLimited(f"this request ({tokens} tokens at most) can never fit your "
+                              f"limit of {value} {words}", limit, should_retry=False)
+        else:
+            wait = d.retry_after_s
+            err = RateLimited(f"rate limit reached: {words} (limit {value}); this request "
+                              f"({tokens} tokens at most) fits in {wait:.3f} s", limit,
+                              retry_after_s=wait, should_retry=wait <= NO_RETRY_AFTER_S)
+        err.extra_headers = d.rate.as_headers()
+        return err
+
+    def _log_store_down(self, exc: Exception, tenant: Tenant, action: str) -> None:
+        now = time.monotonic()
+        if now - self._last_log >= _LOG_EVERY_S:
+            self._last_log = now
+            log.warning("quota store unreachable (%s): tenant %s: %s; %d store errors so far",
+                        exc, tenant.id, action, self.store_errors)
+
+    # ---- settle ---------------------------------------------------------------------------
+    def settle(self, ticket: Ticket, actual_tokens: int) -> None:
+        """Settle in a task the Admission owns: it runs even when the caller is cancelled."""
+        self.live.pop(ticket.request_id, None)
+        task = asyncio.ensure_future(self._settle(ticket, actual_tokens))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _settle(self, ticket: Ticket, actual: int) -> None:
+        try:
+            await ticket.store.settle(ticket.tenant, ticket.request_id, actual)
+        except StoreError as exc:
+            # The reservation stays until its lease expires, then counts at its worst case.
+            log.warning("settling %s for tenant %s failed (%s); it will expire in %.0f s",
+                        ticket.request_id, ticket.tenant, exc, self.lease_ttl_s)
+
+    # ---- renew ----------------------------------------------------------------------------
+    async def _renew_loop(self) -> None:
+        period = self.lease_ttl_s / 3
+        while True:
+            await asyncio.sleep(period)
+            tickets = list(self.live.values())
+            results = await asyncio.gather(
+                *(t.store.renew(t.tenant, t.request_id, self.lease_ttl_s) for t in tickets),
+                return_exceptions=True)
+            failed = sum(1 for r in results if isinstance(r, BaseException))
+            if failed:
+                log.warning("renewing %d of %d leases failed", failed, len(tickets))
+
+    def describe(self) -> dict[str, Any]:
+        return {"store": type(self.store).__name__, "live": len(self.live),
+                "store_errors": self.store_errors}

@@ -1,0 +1,140 @@
+-- lib.lua: shared by every Sluice quota script; RedisStore prepends it to each script.
+--
+-- Every script receives the same KEYS, all hash-tagged {tenant} (one Cluster slot) and
+-- all declared, so that no script touches a key it did not declare:
+--   KEYS[1] bucket  HASH  tpm_lvl tpm_ts tpm_cap rpm_lvl rpm_ts rpm_cap
+--   KEYS[2] budget  HASH  d:<YYYYMMDD>:r|u|n|x:<limit>   m:<YYYYMM>:r|u   day
+--   KEYS[3] leases  ZSET  request id -> expiry (µs)
+--   KEYS[4] resv    HASH  request id -> "tokens day month tpm_cap" (tpm_cap -1: not charged)
+--   KEYS[5] done    ZSET  request id -> forget-at (µs): closed ids, refused by reserve
+-- Time is Redis TIME in integer µs; bucket levels are integer micro-units. Lua numbers
+-- are doubles, exact below 2^53; every number written goes through int() so that Redis
+-- stores its exact decimal (tostring would write 1.7e+15).
+
+local K_BUCKET, K_BUDGET, K_LEASES, K_RESV, K_DONE = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local US = 1000000
+local DAY_US = 86400 * US
+local KEEP_MS = 40 * 86400 * 1000  -- budget, leases, resv live 40 days past their last write
+
+local function int(x) return string.format('%.0f', x) end
+
+local function now_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * US + tonumber(t[2])
+end
+
+-- Raise a key's TTL to at least `ms` (never shortens it: a bucket in debt needs longer).
+local function extend(key, ms)
+  if redis.call('PTTL', key) < ms then redis.call('PEXPIRE', key, int(ms)) end
+end
+
+-- Howard Hinnant's civil-from-days / days-from-civil (proleptic Gregorian, day 0 = 1970-01-01).
+local function fdiv(a, b) return math.floor(a / b) end
+
+local function civil_from_days(z)
+  z = z + 719468
+  local era = fdiv(z, 146097)
+  local doe = z - era * 146097
+  local yoe = fdiv(doe - fdiv(doe, 1460) + fdiv(doe, 36524) - fdiv(doe, 146096), 365)
+  local doy = doe - (365 * yoe + fdiv(yoe, 4) - fdiv(yoe, 100))
+  local mp = fdiv(5 * doy + 2, 153)
+  local d = doy - fdiv(153 * mp + 2, 5) + 1
+  local m = mp < 10 and mp + 3 or mp - 9
+  local y = yoe + era * 400
+  if m <= 2 then y = y + 1 end
+  return y, m, d
+end
+
+local function days_from_civil(y, m, d)
+  if m <= 2 then y = y - 1 end
+  local era = fdiv(y, 400)
+  local yoe = y - era * 400
+  local mp = m > 2 and m - 3 or m + 9
+  local doy = fdiv(153 * mp + 2, 5) + d - 1
+  local doe = yoe * 365 + fdiv(yoe, 4) - fdiv(yoe, 100) + doy
+  return era * 146097 + doe - 719468
+end
+
+-- The UTC periods of `now` (µs): day YYYYMMDD, month YYYYMM, their ends (µs), and the
+-- oldest day (today - 2) and month (the previous one) whose counters are kept.
+local function periods(now)
+  local z = fdiv(now, DAY_US)
+  local y, m, d = civil_from_days(z)
+  local ny, nm = y, m + 1
+  if nm > 12 then ny, nm = y + 1, 1 end
+  local py, pm = y, m - 1
+  if pm < 1 then py, pm = y - 1, 12 end
+  local ky, km, kd = civil_from_days(z - 2)
+  return {
+    day = y * 10000 + m * 100 + d, month = y * 100 + m,
+    day_end = (z + 1) * DAY_US, month_end = days_from_civil(ny, nm, 1) * DAY_US,
+    keep_day = ky * 10000 + km * 100 + kd, keep_month = py * 100 + pm,
+  }
+end
+
+-- Token bucket, mirrored by policies/buckets.py.
+local function refill(level, since, now, cap)
+  local full = cap * US
+  local need = full - level
+  local elapsed = now - since
+  if need <= 0 or elapsed <= 0 then return math.min(level, full) end
+  if elapsed * cap >= need * 60 then return full end
+  return level + math.floor(elapsed * cap / 60)
+end
+
+-- The bucket `name` refilled to now at capacity `cap` (full if never written).
+local function level_of(name, cap, now)
+  local st = redis.call('HMGET', K_BUCKET, name .. '_lvl', name .. '_ts')
+  if not st[1] then return cap * US end
+  return refill(tonumber(st[1]), tonumber(st[2]), now, cap)
+end
+
+local function wait_us(level, cap, cost)  -- 0: now; nil: never
+  local deficit = cost * US - level
+  if deficit <= 0 then return 0 end
+  if cost > cap or cap == 0 then return nil end
+  return math.ceil(deficit * 60 / cap)
+end
+
+local function reset_us(level, cap)
+  local need = cap * US - level
+  if need <= 0 or cap <= 0 then return 0 end
+  return math.ceil(need * 60 / cap)
+end
+
+local function save_bucket(name, level, now, cap)
+  redis.call('HSET', K_BUCKET, name .. '_lvl', int(level), name .. '_ts', int(now),
+             name .. '_cap', int(cap))
+  extend(K_BUCKET, math.ceil(reset_us(level, cap) / 1000) + 60000)  -- gone 1 min after full
+end
+
+-- Close reservation `rid` (record `rec`): its periods move from reserved to used (used +=
+-- actual, or the reserved worst case when actual is nil); the lease goes; the id is kept
+-- in `done` until forget_at so that it cannot be reserved again.
+local function close(rid, rec, actual, forget_at)
+  local tokens, day, month = string.match(rec, '^(%S+) (%S+) (%S+)')
+  tokens = tonumber(tokens)
+  actual = actual or tokens
+  for _, prefix in ipairs({'d:' .. day, 'm:' .. month}) do
+    if redis.call('HEXISTS', K_BUDGET, prefix .. ':r') == 1 then  -- else pruned: long over
+      redis.call('HINCRBY', K_BUDGET, prefix .. ':r', int(-tokens))
+      redis.call('HINCRBY', K_BUDGET, prefix .. ':u', int(actual))
+    end
+  end
+  redis.call('ZREM', K_LEASES, rid)
+  redis.call('HDEL', K_RESV, rid)
+  redis.call('ZADD', K_DONE, int(forget_at), rid)
+  local last = redis.call('ZRANGE', K_DONE, -1, -1, 'WITHSCORES')
+  redis.call('PEXPIREAT', K_DONE, int(math.ceil(tonumber(last[2]) / 1000)))
+end
+
+-- Release every expired reservation at its worst case (its replica died), and forget
+-- closed ids past their time.
+local function sweep(now)
+  local expired = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', int(now))
+  for _, rid in ipairs(expired) do
+    local rec = redis.call('HGET', K_RESV, rid)
+    if rec then close(rid, rec, nil, now + DAY_US) else redis.call('ZREM', K_LEASES, rid) end
+  end
+  redis.call('ZREMRANGEBYSCORE', K_DONE, '-inf', int(now))
+end

@@ -1,0 +1,20 @@
+-- settle.lua: close a reservation with its actual cost, once (after lib.lua).
+-- ARGV: request_id, actual_tokens. Returns 1, or 0 (and changes nothing) if the id is not
+-- an open reservation: never reserved, settled already, or expired and released.
+-- The TPM bucket gets back (reserved - actual), capped at capacity; a negative difference
+-- (an under-reported bound) is charged, possibly into debt.
+local rid, actual = ARGV[1], tonumber(ARGV[2])
+local now = now_us()
+sweep(now)
+local rec = redis.call('HGET', K_RESV, rid)
+if not rec then return 0 end
+local tokens, charged = string.match(rec, '^(%S+) %S+ %S+ (%S+)$')
+tokens, charged = tonumber(tokens), tonumber(charged)
+if charged >= 0 then
+  local cap = tonumber(redis.call('HGET', K_BUCKET, 'tpm_cap')) or charged
+  local level = math.min(level_of('tpm', cap, now) + (tokens - actual) * US, cap * US)
+  save_bucket('tpm', level, now, cap)
+end
+local expiry = tonumber(redis.call('ZSCORE', K_LEASES, rid))
+close(rid, rec, actual, math.max(expiry, now) + DAY_US)
+return 1
