@@ -3,10 +3,8 @@ rate headers that really go down, settlement on every exit, fail open and closed
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
