@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from policies.capacity import CapacityGate, MemoryGate
 from policies.memory import MemoryStore
 from policies.quotas import Decision, Quotas
 from policies.store import Store, StoreError, StoreUnavailable
@@ -73,6 +74,17 @@ def build_store(config: GatewayConfig) -> Store:
     return RedisStore(config.store.url, timeout_s=config.store.timeout_s)
 
 
+def build_gate(store: Store) -> CapacityGate:
+    """The capacity gate lives where the quotas live: shared through Redis, or local."""
+    from policies.redis_store import RedisStore
+
+    if isinstance(store, RedisStore):
+        from policies.capacity import RedisGate
+
+        return RedisGate(store.client)
+    return MemoryGate()
+
+
 def local_share(q: Quotas, replicas: int) -> Quotas:
     """This replica's conservative share of a tenant's limits while the store is down."""
     def part(v: int | None) -> int | None:
@@ -89,7 +101,9 @@ class Admission:
     def __init__(self, config: GatewayConfig, store: Store | None = None) -> None:
         self.config = config
         self.store = store or build_store(config)
+        self.gate = build_gate(self.store)
         self.local = MemoryStore()
+        self.renew_hooks: list[Any] = []  # more leases to renew on the same beat (slots)
         self.lease_ttl_s = config.admission.lease_ttl_s
         self.replicas = config.store.replicas
         self.live: dict[str, Ticket] = {}
@@ -198,6 +212,8 @@ class Admission:
             failed = sum(1 for r in results if isinstance(r, BaseException))
             if failed:
                 log.warning("renewing %d of %d leases failed", failed, len(tickets))
+            for hook in self.renew_hooks:
+                await hook()
 
     def describe(self) -> dict[str, Any]:
         return {"store": type(self.store).__name__, "live": len(self.live),

@@ -23,9 +23,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from .admin import admin_routes
 from .config import GatewayConfig, TenantsFile
 from .errors import GatewayError, InternalError, MethodNotAllowed, NotFound
 from .metrics import CONTENT_TYPE
+from .registry import start_registry
 from .relay import ProxyEndpoint, clean_request_id, header
 from .service import Gateway
 
@@ -156,8 +158,8 @@ async def _store_check(gw: Gateway) -> dict[str, Any]:
 
 async def metrics(request: Request) -> Response:
     gw = gateway_of(request)
-    return Response(gw.metrics.render(gw.ledger, gw.upstreams.values()),
-                    media_type=CONTENT_TYPE)
+    return Response(gw.metrics.render(gw.ledger, gw.upstreams.values(), gw.queues,
+                                      gw.admission), media_type=CONTENT_TYPE)
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:
@@ -192,6 +194,7 @@ def create_app(config: GatewayConfig, tenants: TenantsFile, *,
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         gw = Gateway(config, tenants, transport)
+        registry = await start_registry(gw, tenants)
         await gw.refresh_all()
         gw.admission.start()
         app.state.gateway = gw
@@ -202,6 +205,7 @@ def create_app(config: GatewayConfig, tenants: TenantsFile, *,
             refresher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await refresher
+            await registry.aclose()
             await gw.aclose()
 
     from starlette.datastructures import State
@@ -217,6 +221,7 @@ def create_app(config: GatewayConfig, tenants: TenantsFile, *,
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        *admin_routes(),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_exception, Exception: _unhandled})

@@ -296,3 +296,6 @@ def register(sub: Any) -> None:
     h = sub.add_parser("hash-key", help="print the sha256:<hex> form of a key for tenants.yaml")
     h.add_argument("key", nargs="?", default=None, help="the key (default: read from stdin)")
     h.set_defaults(func=_hash_key)
+
+    from .tenants_cli import register as register_tenants  # `sluice tenants`: the admin client
+    register_tenants(sub)

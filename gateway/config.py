@@ -69,6 +69,13 @@ class StaticVersions(_Strict):
     engine: str = "unknown"
 
 
+class Capacity(_Strict):
+    """What the upstream can hold at once; the bundled backend reports it (/v1/state)."""
+
+    kv_tokens: int | None = Field(None, ge=1)  # KV cache size in tokens
+    max_seqs: int | None = Field(None, ge=1)  # sequences in one batch
+
+
 class ModelEntry(_Strict):
     name: str = Field(min_length=1, max_length=256)
     upstream: str
@@ -80,6 +87,10 @@ class ModelEntry(_Strict):
     supports: list[str] | None = None
     api_key_env: str | None = None  # name of the env var holding the upstream's bearer key
     max_connections: int = Field(1024, ge=1)
+    capacity: Capacity = Capacity()  # for `openai` upstreams; unlimited when unset
+    # in-flight worst-case tokens may reach kv_tokens × overcommit (worst cases rarely all
+    # happen: most answers stop before max_tokens; the engine preempts if they do)
+    overcommit: float = Field(1.0, gt=0)
 
     @field_validator("name")
     @classmethod
@@ -145,10 +156,25 @@ class AdmissionConfig(_Strict):
     default_max_tokens: int = Field(4096, ge=1)
 
 
+class AdminConfig(_Strict):
+    """The tenant admin API (/admin/v1; its key is the env var SLUICE_ADMIN_KEY) and the
+    live tenant registry behind it."""
+
+    # how often each replica reads the tenant store's version (a change reloads every record)
+    poll_interval_s: float = Field(0.25, gt=0, le=1.0)
+
+
+class QueueConfig(_Strict):
+    max_len: int = Field(1024, ge=0)  # waiting requests per upstream; more get 503
+    aging_s: float = Field(5.0, gt=0)  # a waiting request's class improves by 1 every aging_s
+
+
 class GatewayConfig(_Strict):
     listen: Listen = Listen()
+    queue: QueueConfig = QueueConfig()
     store: StoreConfig = StoreConfig()
     admission: AdmissionConfig = AdmissionConfig()
+    admin: AdminConfig = AdminConfig()
     tenants_file: Path = Path("tenants.yaml")
     models: list[ModelEntry] = Field(min_length=1)
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
@@ -206,6 +232,7 @@ class TenantEntry(_Strict):
     priority: PriorityRange = PriorityRange()
     caps: Caps = Caps()
     quotas: QuotasConfig = QuotasConfig()
+    weight: float = Field(1.0, gt=0)  # share of dispatches among tenants of one priority
     # closed: 503 while the store is unreachable; open: admit within limit / replicas locally
     fail_mode: Literal["closed", "open"] = "closed"
 

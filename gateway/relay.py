@@ -240,6 +240,8 @@ class Exchange:
         self.usage: dict[str, Any] | None = None  # usage of a whole answer
         self.rewriter: ChunkRewriter | None = None  # a stream's: last usage, chunks relayed
         self.ticket: Ticket | None = None  # the granted reservation
+        self.has_slot = False  # holds a slot of the upstream's capacity gate
+        self.queue_ms = 0
 
     async def run(self, body: dict[str, Any], header_deadline_ms: int | None) -> None:
         try:
@@ -253,12 +255,25 @@ class Exchange:
         except GatewayError as err:
             await send_error(self.reply, err, self.p.stamp)
             return
+        queue = self.gw.queues[self.p.upstream.name]
         try:
+            try:
+                waited = await queue.acquire(
+                    self.request_id, self.tenant.id, self.tenant.weight, self.p.priority,
+                    self.p.worst_case, self.p.deadline, self.tenant.max_queued,
+                    fail_open=self.tenant.fail_mode == "open")
+            except GatewayError:
+                self.outcome = "shed"
+                raise
+            self.queue_ms = int(waited * 1000)
+            self.has_slot = True
             await self._call_upstream(self.p)
         except GatewayError as err:
-            self.outcome = "timeout" if isinstance(err, GatewayTimeout) else "upstream_error"
-            if isinstance(err, RevisionMismatch) or err.status < 500:
-                self.outcome = "refused"
+            if self.outcome != "shed":
+                self.outcome = "timeout" if isinstance(err, GatewayTimeout) \
+                    else "upstream_error"
+                if isinstance(err, RevisionMismatch) or err.status < 500:
+                    self.outcome = "refused"
             if self.started:
                 await self.send({"type": "http.response.body", "body": error_event(err),
                                  "more_body": False})
@@ -268,6 +283,8 @@ class Exchange:
             self.outcome = "cancelled"
             raise
         finally:
+            if self.has_slot:
+                queue.release(self.request_id, self.p.worst_case)
             self._settle(self.p)
 
     async def _reserve(self, p: Prepared) -> Ticket:
@@ -352,7 +369,9 @@ class Exchange:
         p.stamp = Stamp(p.stamp.model, versions, p.stamp.policy)
 
     def _headers(self, p: Prepared, content_type: bytes) -> list[tuple[bytes, bytes]]:
-        headers = [(b"content-type", content_type)] + stamp_headers(p.stamp)
+        headers = [(b"content-type", content_type), (b"x-sluice-queue-ms",
+                                                     str(self.queue_ms).encode())]
+        headers += stamp_headers(p.stamp)
         if self.ticket is not None:
             headers += self.ticket.decision.rate.as_headers()
         if p.clamped:

@@ -30,6 +30,7 @@ from .errors import (
     ServiceUnavailable,
 )
 from .metrics import GatewayMetrics
+from .queue import DispatchQueue
 from .stamp import Stamp
 from .tenants import KeyRing, Tenant
 from .upstream import Upstream, UpstreamError
@@ -72,6 +73,14 @@ class Gateway:
         self.ledger = UsageLedger()
         self.metrics = GatewayMetrics()
         self.admission = Admission(config)
+        self.queues: dict[str, DispatchQueue] = {}
+        for up in self.upstreams.values():
+            q = DispatchQueue(up.name, self.admission.gate, up.limits,
+                              max_len=config.queue.max_len, aging_s=config.queue.aging_s,
+                              slot_ttl_s=config.admission.lease_ttl_s,
+                              replicas=config.store.replicas)
+            self.queues[up.name] = q
+            self.admission.renew_hooks.append(q.renew_all)
         self.created = int(time.time())
         self._refreshing: dict[str, asyncio.Task[None]] = {}
 
@@ -93,6 +102,8 @@ class Gateway:
         await asyncio.shield(task)
 
     async def aclose(self) -> None:
+        for q in self.queues.values():
+            await q.aclose()
         await self.admission.aclose()
         for task in self._refreshing.values():
             task.cancel()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from policies.quotas import Quotas
@@ -37,6 +38,7 @@ class Tenant:
     quotas: Quotas
     max_queued: int | None
     fail_mode: str  # closed | open
+    weight: float  # fair share of dispatches within a priority class
     policy_version: str  # `<id>@<12 hex>` of everything but the keys: goes into the stamp
 
     def may_use(self, model: str) -> bool:
@@ -54,7 +56,7 @@ class Tenant:
                                  tokens_per_day=q.tokens_per_day,
                                  tokens_per_month=q.tokens_per_month,
                                  max_concurrency=q.max_concurrency),
-                   max_queued=q.max_queued, fail_mode=entry.fail_mode,
+                   max_queued=q.max_queued, fail_mode=entry.fail_mode, weight=entry.weight,
                    policy_version=f"{entry.id}@{digest[:12]}")
 
 
@@ -83,19 +85,38 @@ class KeyRing:
                 found = owner
         return found
 
+    @classmethod
+    def from_records(cls, tenants: Mapping[str, Tenant],
+                     keys: Iterable[tuple[str, str]]) -> KeyRing:
+        """A ring over built tenants and ``(sha256:<hex> digest, tenant id)`` pairs; a key
+        whose tenant is not in ``tenants`` is left out."""
+        ring = cls(TenantsFile(tenants=[]))
+        ring.tenants = dict(tenants)
+        for digest, tenant_id in keys:
+            owner = ring.tenants.get(tenant_id)
+            if owner is not None:
+                ring._digests.append(bytes.fromhex(digest.removeprefix("sha256:")))
+                ring._owners.append(owner)
+        return ring
+
     def authenticate(self, authorization: bytes | None) -> Tenant:
         """The tenant for an ``Authorization: Bearer KEY`` header value, or 401."""
-        if not authorization:
-            raise AuthenticationFailed("missing Authorization header; send "
-                                       "'Authorization: Bearer YOUR_KEY'")
-        if len(authorization) > MAX_KEY_BYTES + len(_BEARER) \
-                or authorization[: len(_BEARER)].lower() != _BEARER:
-            raise AuthenticationFailed("malformed Authorization header; send "
-                                       "'Authorization: Bearer YOUR_KEY'")
-        key = authorization[len(_BEARER):].strip()
-        if not key:
-            raise AuthenticationFailed("empty API key in the Authorization header")
-        tenant = self.lookup(key)
+        tenant = self.lookup(bearer_key(authorization))
         if tenant is None:
             raise AuthenticationFailed("incorrect API key provided")
         return tenant
+
+
+def bearer_key(authorization: bytes | None) -> bytes:
+    """The key of an ``Authorization: Bearer KEY`` header value, or 401."""
+    if not authorization:
+        raise AuthenticationFailed("missing Authorization header; send "
+                                   "'Authorization: Bearer YOUR_KEY'")
+    if len(authorization) > MAX_KEY_BYTES + len(_BEARER) \
+            or authorization[: len(_BEARER)].lower() != _BEARER:
+        raise AuthenticationFailed("malformed Authorization header; send "
+                                   "'Authorization: Bearer YOUR_KEY'")
+    key = authorization[len(_BEARER):].strip()
+    if not key:
+        raise AuthenticationFailed("empty API key in the Authorization header")
+    return key

@@ -63,6 +63,8 @@ class Upstream:
             self.versions = UpstreamVersions(static.revision, static.tokenizer,
                                              static.chat_template, static.engine)
         self.reported_header: str | None = None  # the backend's own x-sluice-resolved
+        self.kv_tokens: int | None = entry.capacity.kv_tokens
+        self.max_seqs: int | None = entry.capacity.max_seqs
         self.max_model_len: int | None = None
         self.last_ok: float | None = None
         self.last_error: str | None = None
@@ -120,8 +122,25 @@ class Upstream:
             self.versions = new
             self.reported_header = resp.headers.get(RESOLVED_HEADER)
             self._check_local_tokenizer()
+            await self._read_capacity()
         self.last_ok = time.monotonic()
         self.last_error = None
+
+    async def _read_capacity(self) -> None:
+        """The bundled backend's KV capacity and batch size, from its /v1/state."""
+        try:
+            state = (await self.client.get("/v1/state", timeout=PROBE_TIMEOUT_S)).json()
+            self.kv_tokens = int(state["kv_blocks_total"]) * int(state["block_size"])
+            self.max_seqs = int(state["max_num_seqs"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            log.warning("model %s: cannot read /v1/state (%s); capacity unknown", self.name,
+                        exc)
+
+    def limits(self) -> tuple[int | None, int | None]:
+        """(in-flight worst-case tokens, in-flight sequences) the gate allows now."""
+        kv = self.kv_tokens
+        return (None if kv is None else max(1, int(kv * self.entry.overcommit)),
+                self.max_seqs)
 
     def _check_local_tokenizer(self) -> None:
         """A local tokenizer must be the one the upstream uses; if not, ask the upstream."""

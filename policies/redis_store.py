@@ -82,6 +82,11 @@ class RedisStore:
             for name in ("reserve", "renew", "settle", "usage", "concurrency")
         }
 
+    @property
+    def client(self) -> Redis:
+        """The connection pool's client (the capacity gate shares it)."""
+        return self._redis
+
     def keys(self, tenant: str) -> list[str]:
         """The tenant's keys, in the order every script takes them."""
         check_tenant(tenant)

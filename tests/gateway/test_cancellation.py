@@ -21,7 +21,7 @@ CLIENTS = 50
 
 @pytest.fixture(scope="module")
 def narrow(tmp_path_factory: pytest.TempPathFactory, sluice_up: SluiceUp) -> Iterator[SluiceUp]:
-    """One engine sequence at a time: the other requests wait in the engine queue."""
+    """One engine sequence at a time: the other requests wait in the gateway's queue."""
     up = start_sluice_up(tmp_path_factory.mktemp("narrow"), "--max-num-seqs", "1")
     yield up
     up.stop()
@@ -85,6 +85,13 @@ def cancelled_count(up: SluiceUp) -> int:
         r'sluice_gateway_requests_settled_total\{[^}]*outcome="cancelled"\} (\d+)', text))
 
 
+def queued(up: SluiceUp) -> int:
+    m = re.search(r'^sluice_gateway_queue_length\{model="sluice-tiny"\} (\d+)$', up.metrics(),
+                  re.MULTILINE)
+    assert m
+    return int(m.group(1))
+
+
 def inflight(up: SluiceUp) -> int:
     m = re.search(r"^sluice_gateway_inflight_requests (\d+)$", up.metrics(), re.MULTILINE)
     assert m
@@ -117,11 +124,17 @@ async def test_clients_leaving_before_the_first_token_free_every_block(
     before = cancelled_count(narrow)
     clients = [RawClient(narrow.url) for _ in range(CLIENTS)]
     await asyncio.gather(*(c.send(body(i)) for i, c in enumerate(clients)))
-    # one runs, the rest wait in the engine queue: none of those has sent a token
-    await wait_state(narrow, lambda s: s["running"] == 1 and s["waiting"] >= CLIENTS - 5, 30)
+    # One runs; the rest wait in the gateway's queue, since the backend has room for one
+    # sequence (its capacity gate). None of those has sent a token.
+    await wait_state(narrow, lambda s: s["running"] == 1, 30)
+    deadline = time.monotonic() + 30
+    while queued(narrow) < CLIENTS - 1 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert queued(narrow) == CLIENTS - 1
     for c in clients:
         c.disconnect()
     await wait_state(narrow, all_free, 1.0)
+    assert queued(narrow) == 0  # every waiting entry left with its client
     deadline = time.monotonic() + 5
     while cancelled_count(narrow) - before < CLIENTS and time.monotonic() < deadline:
         await asyncio.sleep(0.05)

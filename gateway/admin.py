@@ -1,0 +1,323 @@
+"""The tenant admin API, ``/admin/v1``: tenants, their keys and their usage.
+
+Who may do what:
+
+    operator       the key in env SLUICE_ADMIN_KEY (hashed at start; compared with
+                   hmac.compare_digest): everything.
+    tenant admin   a key of role ``tenant_admin`` made through this API: its own tenant
+                   only — read it, its usage and its key list; create and delete its
+                   ``user`` keys. Anything else is 403, another tenant included.
+    anyone else    401. Where SLUICE_ADMIN_KEY is unset the admin API is off: 404.
+
+Every write goes to the tenant store in one atomic step; this replica then reloads at once,
+the others within ``admin.poll_interval_s`` (``registry.py``). Reads come from the store,
+so they see every replica's writes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from policies.store import StoreUnavailable
+from policies.tenant_store import (
+    ROLES,
+    ChangedConcurrently,
+    KeyExists,
+    KeyRecord,
+    NoSuchKey,
+    NoSuchTenant,
+    Record,
+    TenantExists,
+)
+
+from .config import TenantEntry
+from .errors import (
+    AuthenticationFailed,
+    BadRequest,
+    GatewayError,
+    NotFound,
+    PayloadTooLarge,
+    PermissionDenied,
+    ServiceUnavailable,
+)
+from .registry import Registry, tenant_record
+from .tenants import bearer_key, hash_key
+
+ADMIN_KEY_ENV = "SLUICE_ADMIN_KEY"
+PREFIX = "/admin/v1"
+MAX_BODY_BYTES = 64 * 1024
+_REPLACE_TRIES = 5  # PATCH re-reads and re-merges when another write raced it
+
+
+class Conflict(GatewayError):
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
+
+
+@dataclass(slots=True, frozen=True)
+class Principal:
+    tenant: str | None  # None: the operator
+
+    def require_operator(self, action: str) -> None:
+        if self.tenant is not None:
+            raise PermissionDenied(f"a tenant admin key may not {action}; that takes the "
+                                   "operator key")
+
+    def require_tenant(self, tenant_id: str) -> None:
+        if self.tenant is not None and self.tenant != tenant_id:
+            raise PermissionDenied(f"this key administers tenant {self.tenant!r} only")
+
+
+def _error(err: GatewayError) -> Response:
+    return Response(err.json_bytes(), status_code=err.status, media_type="application/json",
+                    headers={k.decode(): v.decode() for k, v in err.headers()})
+
+
+def _invalid(exc: ValidationError) -> BadRequest:
+    errors = exc.errors(include_url=False)
+    first = ".".join(str(p) for p in errors[0].get("loc", ())) or None
+    detail = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())) or 'body'}: {e['msg']}"
+                       for e in errors)
+    return BadRequest(f"invalid tenant: {detail}", first, code="invalid_value")
+
+
+def _merge(base: Record, patch: Record) -> Record:
+    """JSON merge patch (RFC 7386): objects merge, null removes (the default applies)."""
+    out = dict(base)
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        elif isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _validate(body: Record) -> Record:
+    if "keys" in body:
+        raise BadRequest(f"keys are made with POST {PREFIX}/tenants/{{id}}/keys, not in the "
+                         "tenant record", "keys", code="invalid_value")
+    try:
+        return tenant_record(TenantEntry.model_validate(body))
+    except ValidationError as exc:
+        raise _invalid(exc) from None
+
+
+async def _body(request: Request, *, required: bool = True) -> Record:
+    raw = b""
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            raise PayloadTooLarge(f"the body is over {MAX_BODY_BYTES} bytes")
+    if not raw.strip() and not required:
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise BadRequest("the body is not valid JSON", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object", code="invalid_json")
+    return body
+
+
+Handler = Callable[[Request, Principal], Awaitable[Response]]
+
+
+class AdminApi:
+    def __init__(self, env: Mapping[str, str]) -> None:
+        key = env.get(ADMIN_KEY_ENV, "")
+        self._operator = hashlib.sha256(key.encode()).digest() if key else None
+
+    def routes(self) -> list[Route]:
+        t = PREFIX + "/tenants"
+        ep = self._endpoint
+        return [
+            Route(t, ep(self.list_tenants), methods=["GET"]),
+            Route(t, ep(self.create_tenant), methods=["POST"]),
+            Route(t + "/{tenant}", ep(self.get_tenant), methods=["GET"]),
+            Route(t + "/{tenant}", ep(self.patch_tenant), methods=["PATCH"]),
+            Route(t + "/{tenant}", ep(self.delete_tenant), methods=["DELETE"]),
+            Route(t + "/{tenant}/keys", ep(self.list_keys), methods=["GET"]),
+            Route(t + "/{tenant}/keys", ep(self.create_key), methods=["POST"]),
+            Route(t + "/{tenant}/keys/{key}", ep(self.delete_key), methods=["DELETE"]),
+            Route(t + "/{tenant}/usage", ep(self.usage), methods=["GET"]),
+        ]
+
+    def _endpoint(self, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            try:
+                who = self._principal(request)
+                if who.tenant is not None:
+                    request.scope.setdefault("state", {})["tenant"] = who.tenant
+                return await handler(request, who)
+            except GatewayError as err:
+                return _error(err)
+            except StoreUnavailable:
+                return _error(ServiceUnavailable("the tenant store is unreachable right now",
+                                                 retry_after_s=1.0, code="store_unavailable"))
+        return endpoint
+
+    def _principal(self, request: Request) -> Principal:
+        if self._operator is None:
+            raise NotFound(f"the admin API is off on this gateway (set {ADMIN_KEY_ENV})")
+        key = bearer_key(request.headers.get("authorization", "").encode() or None)
+        # Both checks always run: the time taken does not tell which kind of key matched.
+        operator = hmac.compare_digest(hashlib.sha256(key).digest(), self._operator)
+        tenant = _registry(request).lookup_admin(key)
+        if operator:
+            return Principal(None)
+        if tenant is not None:
+            return Principal(tenant.id)
+        raise AuthenticationFailed("incorrect admin key provided")
+
+    # ---- tenants --------------------------------------------------------------------------
+    async def list_tenants(self, request: Request, who: Principal) -> Response:
+        snap = await _registry(request).store.snapshot()
+        data = [r for tid, r in sorted(snap.tenants.items())
+                if who.tenant is None or who.tenant == tid]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def create_tenant(self, request: Request, who: Principal) -> Response:
+        who.require_operator("create tenants")
+        record = _validate(await _body(request))
+        registry = _registry(request)
+        try:
+            await registry.store.create_tenant(record)
+        except TenantExists:
+            raise Conflict(f"tenant {record['id']!r} exists", "id") from None
+        await registry.sync()
+        return JSONResponse(record, status_code=201)
+
+    async def get_tenant(self, request: Request, who: Principal) -> Response:
+        tid = request.path_params["tenant"]
+        who.require_tenant(tid)
+        return JSONResponse(await _existing(_registry(request), tid))
+
+    async def patch_tenant(self, request: Request, who: Principal) -> Response:
+        tid = request.path_params["tenant"]
+        who.require_operator("change tenants or their quotas")
+        patch = await _body(request)
+        if patch.get("id", tid) != tid:
+            raise BadRequest("a tenant's id cannot change", "id", code="invalid_value")
+        registry = _registry(request)
+        for _ in range(_REPLACE_TRIES):
+            current = await _existing(registry, tid)
+            record = _validate(_merge(current, patch))
+            try:
+                await registry.store.replace_tenant(record, current)
+            except ChangedConcurrently:
+                continue
+            except NoSuchTenant:
+                raise NotFound(f"no tenant {tid!r}", "tenant") from None
+            await registry.sync()
+            return JSONResponse(record)
+        raise Conflict(f"tenant {tid!r} kept changing while being patched; try again")
+
+    async def delete_tenant(self, request: Request, who: Principal) -> Response:
+        tid = request.path_params["tenant"]
+        who.require_operator("delete tenants")
+        registry = _registry(request)
+        try:
+            await registry.store.delete_tenant(tid)
+        except NoSuchTenant:
+            raise NotFound(f"no tenant {tid!r}", "tenant") from None
+        await registry.sync()
+        return JSONResponse({"id": tid, "object": "tenant", "deleted": True})
+
+    # ---- keys -----------------------------------------------------------------------------
+    async def list_keys(self, request: Request, who: Principal) -> Response:
+        tid = request.path_params["tenant"]
+        who.require_tenant(tid)
+        snap = await _registry(request).store.snapshot()
+        if tid not in snap.tenants:
+            raise NotFound(f"no tenant {tid!r}", "tenant")
+        keys = sorted((k for k in snap.keys.values() if k.tenant == tid),
+                      key=lambda k: (k.created, k.id))
+        return JSONResponse({"object": "list", "data": [
+            {"id": k.id, "role": k.role, "created": k.created} for k in keys]})
+
+    async def create_key(self, request: Request, who: Principal) -> Response:
+        tid = request.path_params["tenant"]
+        who.require_tenant(tid)
+        body = await _body(request, required=False)
+        extra = sorted(set(body) - {"role"})
+        if extra:
+            raise BadRequest(f"unknown field {extra[0]!r}; a key takes only 'role'", extra[0],
+                             code="unknown_parameter")
+        role = body.get("role", "user")
+        if role not in ROLES:
+            raise BadRequest(f"role must be one of {list(ROLES)}", "role", code="invalid_value")
+        if role != "user" and who.tenant is not None:
+            raise PermissionDenied("a tenant admin key may create user keys only", "role")
+        key = "sk-" + secrets.token_urlsafe(32)
+        record = KeyRecord(id="key_" + secrets.token_hex(8), tenant=tid, role=role,
+                           digest=hash_key(key), created=int(time.time()))
+        registry = _registry(request)
+        try:
+            await registry.store.add_key(record)
+        except NoSuchTenant:
+            raise NotFound(f"no tenant {tid!r}", "tenant") from None
+        except KeyExists:  # 64 random bits collided: astronomically rare, safe to retry
+            raise Conflict("key id collision; try again") from None
+        await registry.sync()
+        return JSONResponse({"id": record.id, "key": key, "role": role, "tenant": tid,
+                             "created": record.created}, status_code=201,
+                            headers={"cache-control": "no-store"})
+
+    async def delete_key(self, request: Request, who: Principal) -> Response:
+        tid, kid = request.path_params["tenant"], request.path_params["key"]
+        who.require_tenant(tid)
+        registry = _registry(request)
+        found = (await registry.store.snapshot()).keys.get(kid)
+        if found is None or found.tenant != tid:
+            raise NotFound(f"tenant {tid!r} has no key {kid!r}", "key")
+        if found.role != "user" and who.tenant is not None:
+            raise PermissionDenied("a tenant admin key may delete user keys only", "key")
+        try:
+            await registry.store.delete_key(tid, kid)
+        except NoSuchKey:
+            raise NotFound(f"tenant {tid!r} has no key {kid!r}", "key") from None
+        await registry.sync()
+        return JSONResponse({"id": kid, "object": "key", "deleted": True})
+
+    # ---- usage ----------------------------------------------------------------------------
+    async def usage(self, request: Request, who: Principal) -> Response:
+        tid = request.path_params["tenant"]
+        who.require_tenant(tid)
+        await _existing(_registry(request), tid)
+        store: Any = request.app.state.gateway.admission.store
+        return JSONResponse({"tenant": tid, **await store.usage(tid)})
+
+
+def _registry(request: Request) -> Registry:
+    registry = request.app.state.gateway.keyring
+    if not isinstance(registry, Registry):
+        raise ServiceUnavailable("the tenant registry is not running")
+    return registry
+
+
+async def _existing(registry: Registry, tid: str) -> Record:
+    record = await registry.store.get_tenant(tid)
+    if record is None:
+        raise NotFound(f"no tenant {tid!r}", "tenant")
+    return record
+
+
+def admin_routes(env: Mapping[str, str] | None = None) -> list[Route]:
+    """The /admin/v1 routes; the operator key is read from ``env`` (os.environ) now."""
+    return AdminApi(os.environ if env is None else env).routes()

@@ -1,0 +1,191 @@
+"""`sluice tenants …`: the admin API from the command line (httpx); prints JSON.
+
+    sluice tenants list | get ID | delete ID | keys ID | usage ID
+    sluice tenants create ID [--name N] [--models a,b] [--tpm N] [--rpm N] [--tpd N]
+                             [--tpm-month N] [--max-concurrency N] [--max-queued N]
+                             [--priority-default N --priority-min N --priority-max N]
+                             [--fail-mode open|closed] [--weight W] [caps flags]
+    sluice tenants update ID [the same flags; a limit of 'unlimited' clears it]
+    sluice tenants add-key ID [--role user|tenant_admin]
+    sluice tenants delete-key ID KEY_ID
+
+``--url`` (env SLUICE_URL, default http://127.0.0.1:8000) and ``--admin-key`` (env
+SLUICE_ADMIN_KEY) go before or after the action. Exit status 0 on success; 1 with the
+API's error message on stderr when the gateway refuses; 2 for a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+UNLIMITED = "unlimited"
+_CLEAR = object()  # a limit to remove (PATCH null)
+
+# flag -> (section, field)
+_QUOTA_FLAGS = {
+    "tpm": ("quotas", "tokens_per_minute"),
+    "rpm": ("quotas", "requests_per_minute"),
+    "tpd": ("quotas", "tokens_per_day"),
+    "tpm_month": ("quotas", "tokens_per_month"),
+    "max_concurrency": ("quotas", "max_concurrency"),
+    "max_queued": ("quotas", "max_queued"),
+    "max_body_bytes": ("caps", "max_body_bytes"),
+    "max_prompt_tokens": ("caps", "max_prompt_tokens"),
+    "max_tokens": ("caps", "max_tokens"),
+}
+_PRIORITY_FLAGS = {"priority_default": "default", "priority_min": "min", "priority_max": "max"}
+
+
+def _limit(text: str) -> Any:
+    if text.lower() in (UNLIMITED, "none"):
+        return _CLEAR
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("a limit is a non-negative integer or 'unlimited'")
+    return value
+
+
+def _policy_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--name")
+    p.add_argument("--models", help="comma-separated model names, or '*' for all")
+    p.add_argument("--tpm", type=_limit, help="tokens per minute")
+    p.add_argument("--rpm", type=_limit, help="requests per minute")
+    p.add_argument("--tpd", type=_limit, help="tokens per day")
+    p.add_argument("--tpm-month", type=_limit, help="tokens per month")
+    p.add_argument("--max-concurrency", type=_limit)
+    p.add_argument("--max-queued", type=_limit)
+    p.add_argument("--max-body-bytes", type=_limit, help="cap: request body bytes")
+    p.add_argument("--max-prompt-tokens", type=_limit, help="cap: prompt tokens")
+    p.add_argument("--max-tokens", type=_limit, help="cap: max_tokens")
+    p.add_argument("--on-exceed", choices=["reject", "clamp"], help="over the max_tokens cap")
+    p.add_argument("--priority-default", type=int)
+    p.add_argument("--priority-min", type=int)
+    p.add_argument("--priority-max", type=int)
+    p.add_argument("--fail-mode", choices=["open", "closed"])
+    p.add_argument("--weight", type=float, help="fair share within a priority class")
+
+
+def policy_body(args: argparse.Namespace) -> dict[str, Any]:
+    """The tenant fields the flags set; a cleared limit is null (PATCH: back to unlimited)."""
+    body: dict[str, Any] = {}
+    if args.name is not None:
+        body["name"] = args.name
+    if args.models is not None:
+        body["models"] = [m.strip() for m in args.models.split(",") if m.strip()]
+    for flag, (section, field) in _QUOTA_FLAGS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            body.setdefault(section, {})[field] = None if value is _CLEAR else value
+    if args.on_exceed is not None:
+        body.setdefault("caps", {})["on_exceed"] = args.on_exceed
+    for flag, field in _PRIORITY_FLAGS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            body.setdefault("priority", {})[field] = value
+    if args.fail_mode is not None:
+        body["fail_mode"] = args.fail_mode
+    if args.weight is not None:
+        body["weight"] = args.weight
+    return body
+
+
+def _request(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None]:
+    """(method, path, JSON body) of the action."""
+    t = "/admin/v1/tenants"
+    action = args.action
+    if action == "list":
+        return "GET", t, None
+    if action == "create":
+        return "POST", t, {"id": args.id, **policy_body(args)}
+    if action == "update":
+        return "PATCH", f"{t}/{args.id}", policy_body(args)
+    if action == "get":
+        return "GET", f"{t}/{args.id}", None
+    if action == "delete":
+        return "DELETE", f"{t}/{args.id}", None
+    if action == "keys":
+        return "GET", f"{t}/{args.id}/keys", None
+    if action == "add-key":
+        return "POST", f"{t}/{args.id}/keys", {"role": args.role}
+    if action == "delete-key":
+        return "DELETE", f"{t}/{args.id}/keys/{args.key_id}", None
+    return "GET", f"{t}/{args.id}/usage", None
+
+
+def run(args: argparse.Namespace) -> int:
+    import httpx
+
+    url = (args.url or os.environ.get("SLUICE_URL") or DEFAULT_URL).rstrip("/")
+    key = args.admin_key or os.environ.get("SLUICE_ADMIN_KEY")
+    if not key:
+        print("sluice tenants: give --admin-key or set SLUICE_ADMIN_KEY", file=sys.stderr)
+        return 2
+    method, path, body = _request(args)
+    try:
+        resp = httpx.request(method, url + path, json=body, timeout=args.timeout,
+                             headers={"authorization": f"Bearer {key}"})
+    except httpx.HTTPError as exc:
+        print(f"sluice tenants: cannot reach {url}: {exc}", file=sys.stderr)
+        return 1
+    try:
+        out = resp.json()
+    except ValueError:
+        out = {"error": {"message": resp.text.strip() or resp.reason_phrase}}
+    if resp.status_code >= 400:
+        err = out.get("error") if isinstance(out, dict) else None
+        message = err.get("message") if isinstance(err, dict) else resp.text
+        print(f"sluice tenants: {resp.status_code}: {message}", file=sys.stderr)
+        return 1
+    print(json.dumps(out, indent=2, sort_keys=True))
+    return 0
+
+
+def _connection_flags(p: argparse.ArgumentParser, default: Any) -> None:
+    p.add_argument("--url", default=default,
+                   help=f"the gateway (env SLUICE_URL; default {DEFAULT_URL})")
+    p.add_argument("--admin-key", default=default,
+                   help="operator or tenant-admin key (env SLUICE_ADMIN_KEY)")
+    p.add_argument("--timeout", type=float, default=default if default is not None else 10.0,
+                   help="seconds (default 10)")
+
+
+def register(sub: Any) -> None:
+    """Add `sluice tenants` to the `sluice` parser."""
+    t = sub.add_parser("tenants", help="manage tenants and their keys over the admin API")
+    _connection_flags(t, None)
+    actions = t.add_subparsers(dest="action", required=True, metavar="ACTION")
+    # after the action too; SUPPRESS: absent there, the value given before it stays
+    leaf = argparse.ArgumentParser(add_help=False)
+    _connection_flags(leaf, argparse.SUPPRESS)
+
+    def action(name: str, help_: str, *ids: str) -> argparse.ArgumentParser:
+        p = actions.add_parser(name, help=help_, parents=[leaf])
+        for ident in ids:
+            p.add_argument(ident)
+        return p
+
+    action("list", "list tenants")
+    action("get", "show a tenant", "id")
+    _policy_flags(action("create", "create a tenant (omitted limits: unlimited)", "id"))
+    _policy_flags(action("update", "change a tenant (only the fields given)", "id"))
+    action("delete", "delete a tenant and its keys", "id")
+    action("keys", "list a tenant's keys (ids and roles, never the keys)", "id")
+    add_key = action("add-key", "make a key; it is printed once, never stored", "id")
+    add_key.add_argument("--role", choices=["user", "tenant_admin"], default="user")
+    action("delete-key", "delete a key", "id", "key_id")
+    action("usage", "a tenant's usage: reserved and settled tokens, requests, rejects", "id")
+    t.set_defaults(func=run)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`sluice tenants` on its own: ``main(["list", "--url", …])``."""
+    parser = argparse.ArgumentParser(prog="sluice")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["tenants", *(sys.argv[1:] if argv is None else argv)])
+    return run(args)

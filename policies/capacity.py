@@ -1,0 +1,174 @@
+"""The capacity gate: what an upstream may have in flight, shared by every gateway replica.
+
+A request holds a *slot* while the upstream works on it: its worst-case tokens (prompt +
+max_tokens) and one sequence. ``acquire`` grants a slot only while the upstream's in-flight
+worst-case tokens stay within ``cap_tokens`` (its KV token capacity × overcommit) and its
+in-flight sequences within ``cap_seqs``; a request bigger than the whole capacity is let
+through alone (nothing else in flight), so that it is refused by the model server with a
+clear error rather than queued forever. Slots carry a TTL like quota leases (a killed
+replica's slots expire) and are renewed by the same loop.
+
+    MemoryGate   one process
+    RedisGate    ``sluice:{up:<name>}:slots`` ZSET request id -> expiry µs (Redis TIME),
+                 ``sluice:{up:<name>}:tokens`` HASH request id -> tokens, ``_sum`` the total;
+                 one Lua script per acquire / release / renew.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from policies.store import StoreUnavailable, ttl_us
+
+US = 1_000_000
+
+
+class CapacityGate(Protocol):
+    async def acquire(self, upstream: str, request_id: str, tokens: int,
+                      cap_tokens: int | None, cap_seqs: int | None, ttl_s: float) -> bool: ...
+
+    async def release(self, upstream: str, request_id: str) -> bool: ...
+
+    async def renew(self, upstream: str, request_id: str, ttl_s: float) -> bool: ...
+
+    async def in_flight(self, upstream: str) -> tuple[int, int]:
+        """(sequences, worst-case tokens) in flight now."""
+        ...
+
+
+class MemoryGate:
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._slots: dict[str, dict[str, tuple[int, int]]] = {}  # up -> rid -> (tokens, exp)
+
+    def _live(self, upstream: str) -> dict[str, tuple[int, int]]:
+        now = math.floor(self._clock() * US)
+        slots = self._slots.setdefault(upstream, {})
+        for rid in [r for r, (_, exp) in slots.items() if exp <= now]:
+            del slots[rid]
+        return slots
+
+    async def acquire(self, upstream: str, request_id: str, tokens: int,
+                      cap_tokens: int | None, cap_seqs: int | None, ttl_s: float) -> bool:
+        slots = self._live(upstream)
+        if request_id in slots:
+            return True
+        n = len(slots)
+        total = sum(t for t, _ in slots.values())
+        if cap_seqs is not None and n >= cap_seqs:
+            return False
+        if cap_tokens is not None and n > 0 and total + tokens > cap_tokens:
+            return False
+        slots[request_id] = (tokens, math.floor(self._clock() * US) + ttl_us(ttl_s))
+        return True
+
+    async def release(self, upstream: str, request_id: str) -> bool:
+        return self._live(upstream).pop(request_id, None) is not None
+
+    async def renew(self, upstream: str, request_id: str, ttl_s: float) -> bool:
+        slots = self._live(upstream)
+        if request_id not in slots:
+            return False
+        slots[request_id] = (slots[request_id][0],
+                             math.floor(self._clock() * US) + ttl_us(ttl_s))
+        return True
+
+    async def in_flight(self, upstream: str) -> tuple[int, int]:
+        slots = self._live(upstream)
+        return len(slots), sum(t for t, _ in slots.values())
+
+
+_PURGE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
+for _, r in ipairs(expired) do
+  local tok = redis.call('HGET', KEYS[2], r)
+  if tok then
+    redis.call('HINCRBY', KEYS[2], '_sum', -tonumber(tok))
+    redis.call('HDEL', KEYS[2], r)
+  end
+  redis.call('ZREM', KEYS[1], r)
+end
+"""
+_ACQUIRE = _PURGE + """
+local rid, tokens = ARGV[1], tonumber(ARGV[2])
+local cap_t, cap_s, ttl = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+if redis.call('ZSCORE', KEYS[1], rid) then return 1 end
+local n = redis.call('ZCARD', KEYS[1])
+local sum = tonumber(redis.call('HGET', KEYS[2], '_sum') or '0')
+if cap_s >= 0 and n >= cap_s then return 0 end
+if cap_t >= 0 and n > 0 and sum + tokens > cap_t then return 0 end
+redis.call('ZADD', KEYS[1], string.format('%.0f', now + ttl), rid)
+redis.call('HSET', KEYS[2], rid, tokens)
+redis.call('HINCRBY', KEYS[2], '_sum', tokens)
+local keep = math.ceil(ttl / 1000) + 60000
+redis.call('PEXPIRE', KEYS[1], keep)
+redis.call('PEXPIRE', KEYS[2], keep)
+return 1
+"""
+_RELEASE = _PURGE + """
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
+local tok = redis.call('HGET', KEYS[2], ARGV[1])
+if tok then
+  redis.call('HINCRBY', KEYS[2], '_sum', -tonumber(tok))
+  redis.call('HDEL', KEYS[2], ARGV[1])
+end
+return 1
+"""
+_RENEW = _PURGE + """
+if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
+redis.call('ZADD', KEYS[1], 'XX', string.format('%.0f', now + tonumber(ARGV[2])), ARGV[1])
+return 1
+"""
+_IN_FLIGHT = _PURGE + """
+return {redis.call('ZCARD', KEYS[1]), tonumber(redis.call('HGET', KEYS[2], '_sum') or '0')}
+"""
+
+
+class RedisGate:
+    """The gate over Redis, sharing the quota store's connection pool."""
+
+    def __init__(self, redis: object, key_prefix: str = "sluice") -> None:
+        from redis.asyncio import Redis
+
+        assert isinstance(redis, Redis)
+        self._redis = redis
+        self._prefix = key_prefix
+        self._acquire = redis.register_script(_ACQUIRE)
+        self._release = redis.register_script(_RELEASE)
+        self._renew = redis.register_script(_RENEW)
+        self._in_flight = redis.register_script(_IN_FLIGHT)
+
+    def _keys(self, upstream: str) -> list[str]:
+        tag = "{up:" + upstream.replace("{", "(").replace("}", ")") + "}"
+        return [f"{self._prefix}:{tag}:slots", f"{self._prefix}:{tag}:tokens"]
+
+    async def _call(self, script: object, upstream: str, args: list[object]) -> object:
+        from redis.exceptions import RedisError
+
+        try:
+            return await script(keys=self._keys(upstream), args=args)  # type: ignore[operator]
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise StoreUnavailable(f"capacity gate: {type(exc).__name__}: {exc}") from exc
+
+    async def acquire(self, upstream: str, request_id: str, tokens: int,
+                      cap_tokens: int | None, cap_seqs: int | None, ttl_s: float) -> bool:
+        out = await self._call(self._acquire, upstream, [
+            request_id, tokens, -1 if cap_tokens is None else cap_tokens,
+            -1 if cap_seqs is None else cap_seqs, ttl_us(ttl_s)])
+        return bool(out)
+
+    async def release(self, upstream: str, request_id: str) -> bool:
+        return bool(await self._call(self._release, upstream, [request_id]))
+
+    async def renew(self, upstream: str, request_id: str, ttl_s: float) -> bool:
+        return bool(await self._call(self._renew, upstream, [request_id, ttl_us(ttl_s)]))
+
+    async def in_flight(self, upstream: str) -> tuple[int, int]:
+        out = await self._call(self._in_flight, upstream, [])
+        n, total = out  # type: ignore[misc]
+        return int(n), int(total)

@@ -1,0 +1,361 @@
+"""The tenant store: tenant and key records shared by gateway replicas, with a version.
+
+    StoreError                  (policies.store)
+    ├── StoreUnavailable        the store cannot be reached or did not answer in time
+    ├── TenantExists            create of an id that is taken
+    ├── NoSuchTenant            a change to a tenant that is not there
+    ├── KeyExists               add_key() of a key id that is taken
+    ├── NoSuchKey               delete of a key the tenant does not have
+    └── ChangedConcurrently     replace() lost a race: the record changed since it was read
+
+Invariants both implementations keep (tests/policies/test_tenant_store.py checks them):
+
+- Records are canonical JSON (sorted keys, no spaces): a tenant record is whatever the
+  caller validated (the gateway's ``TenantEntry`` without keys); a key record holds the
+  key's SHA-256 digest, never the key.
+- Every write that changes something bumps one global version in the same atomic step,
+  so one cheap ``version()`` read tells a replica whether to reload; ``snapshot()`` reads
+  the version and every record atomically. A version is never 0 once the store has been
+  written (or seeded): 0 means an empty store (a Redis that lost its data).
+- Deleting a tenant deletes its keys. What the API deletes is remembered, so ``seed()``
+  (the tenants file, at every start) never brings it back; it writes only absent records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, Protocol, cast
+
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+
+from policies.redis_store import lua_source
+from policies.store import StoreError, StoreUnavailable
+
+Role = Literal["user", "tenant_admin"]
+ROLES: tuple[Role, ...] = ("user", "tenant_admin")
+Record = dict[str, Any]
+
+
+class TenantExists(StoreError):
+    """A tenant with this id exists."""
+
+
+class NoSuchTenant(StoreError):
+    """No tenant with this id."""
+
+
+class KeyExists(StoreError):
+    """A key with this id exists."""
+
+
+class NoSuchKey(StoreError):
+    """The tenant has no key with this id."""
+
+
+class ChangedConcurrently(StoreError):
+    """The tenant record changed between the caller's read and its replace()."""
+
+
+def canonical(record: Record) -> str:
+    return json.dumps(record, sort_keys=True, separators=(",", ":"))
+
+
+@dataclass(slots=True, frozen=True)
+class KeyRecord:
+    id: str
+    tenant: str
+    role: Role
+    digest: str  # "sha256:<hex>" of the key
+    created: int  # epoch seconds (the writer's clock; informational)
+
+    def to_json(self) -> str:
+        return canonical(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> KeyRecord:
+        d = json.loads(text)
+        role = d["role"]
+        if role not in ROLES:
+            raise ValueError(f"unknown key role {role!r}")
+        return cls(id=str(d["id"]), tenant=str(d["tenant"]), role=role,
+                   digest=str(d["digest"]), created=int(d["created"]))
+
+
+@dataclass(slots=True, frozen=True)
+class Snapshot:
+    version: int
+    tenants: dict[str, Record]
+    keys: dict[str, KeyRecord]  # by key id
+    unreadable: tuple[str, ...] = ()  # ids of records that are not valid JSON (skipped)
+
+    @classmethod
+    def parse(cls, version: int, tenants: dict[str, str | bytes],
+              keys: dict[str, str | bytes]) -> Snapshot:
+        records: dict[str, Record] = {}
+        key_records: dict[str, KeyRecord] = {}
+        bad: list[str] = []
+        for tid, text in tenants.items():
+            try:
+                records[tid] = json.loads(text)
+            except ValueError:
+                bad.append(tid)
+        for kid, text in keys.items():
+            try:
+                key_records[kid] = KeyRecord.from_json(text)
+            except (ValueError, KeyError, TypeError):
+                bad.append(kid)
+        return cls(version, records, key_records, tuple(bad))
+
+
+class TenantStore(Protocol):
+    async def version(self) -> int:
+        """The change counter (one cheap read); 0 for a store never written."""
+        ...
+
+    async def snapshot(self) -> Snapshot:
+        """Version and every record, read atomically."""
+        ...
+
+    async def get_tenant(self, tenant_id: str) -> Record | None: ...
+
+    async def create_tenant(self, record: Record) -> int:
+        """Add ``record`` (its ``id`` must be free, else TenantExists); the new version."""
+        ...
+
+    async def replace_tenant(self, record: Record, expected: Record) -> int:
+        """Write ``record`` if the stored one still equals ``expected`` (else
+        ChangedConcurrently; NoSuchTenant if gone); the new version."""
+        ...
+
+    async def delete_tenant(self, tenant_id: str) -> int:
+        """Remove the tenant and its keys (NoSuchTenant if absent); the new version."""
+        ...
+
+    async def add_key(self, key: KeyRecord) -> int:
+        """Add a key to an existing tenant (NoSuchTenant); the new version."""
+        ...
+
+    async def delete_key(self, tenant_id: str, key_id: str) -> int:
+        """Remove the tenant's key (NoSuchKey if it has none by that id); the new version."""
+        ...
+
+    async def seed(self, tenants: Sequence[Record], keys: Sequence[KeyRecord]) -> int:
+        """Write the records that are absent and were never deleted; how many were."""
+        ...
+
+    async def ping(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class MemoryTenantStore:
+    """The tenant store of one process. No method awaits between its reads and writes, so
+    each is one atomic step on the event loop, as a Lua script is in Redis."""
+
+    def __init__(self) -> None:
+        self._version = 0
+        self._records: dict[str, str] = {}
+        self._keys: dict[str, str] = {}
+        self._deleted: set[str] = set()
+
+    def _bump(self) -> int:
+        self._version += 1
+        return self._version
+
+    async def version(self) -> int:
+        return self._version
+
+    async def snapshot(self) -> Snapshot:
+        return Snapshot.parse(self._version, dict(self._records), dict(self._keys))
+
+    async def get_tenant(self, tenant_id: str) -> Record | None:
+        text = self._records.get(tenant_id)
+        return None if text is None else cast(Record, json.loads(text))
+
+    async def create_tenant(self, record: Record) -> int:
+        tid = str(record["id"])
+        if tid in self._records:
+            raise TenantExists(tid)
+        self._records[tid] = canonical(record)
+        self._deleted.discard("t:" + tid)
+        return self._bump()
+
+    async def replace_tenant(self, record: Record, expected: Record) -> int:
+        tid = str(record["id"])
+        current = self._records.get(tid)
+        if current is None:
+            raise NoSuchTenant(tid)
+        if current != canonical(expected):
+            raise ChangedConcurrently(tid)
+        new = canonical(record)
+        if new == current:
+            return self._version
+        self._records[tid] = new
+        return self._bump()
+
+    async def delete_tenant(self, tenant_id: str) -> int:
+        if self._records.pop(tenant_id, None) is None:
+            raise NoSuchTenant(tenant_id)
+        self._deleted.add("t:" + tenant_id)
+        for kid, text in list(self._keys.items()):
+            if KeyRecord.from_json(text).tenant == tenant_id:
+                del self._keys[kid]
+                self._deleted.add("k:" + kid)
+        return self._bump()
+
+    async def add_key(self, key: KeyRecord) -> int:
+        if key.tenant not in self._records:
+            raise NoSuchTenant(key.tenant)
+        if key.id in self._keys:
+            raise KeyExists(key.id)
+        self._keys[key.id] = key.to_json()
+        return self._bump()
+
+    async def delete_key(self, tenant_id: str, key_id: str) -> int:
+        text = self._keys.get(key_id)
+        if text is None or KeyRecord.from_json(text).tenant != tenant_id:
+            raise NoSuchKey(key_id)
+        del self._keys[key_id]
+        self._deleted.add("k:" + key_id)
+        return self._bump()
+
+    async def seed(self, tenants: Sequence[Record], keys: Sequence[KeyRecord]) -> int:
+        written = 0
+        for record in tenants:
+            tid = str(record["id"])
+            if "t:" + tid not in self._deleted and tid not in self._records:
+                self._records[tid] = canonical(record)
+                written += 1
+        for key in keys:
+            if key.tenant in self._records and "k:" + key.id not in self._deleted \
+                    and key.id not in self._keys:
+                self._keys[key.id] = key.to_json()
+                written += 1
+        if written or self._version == 0:
+            self._bump()
+        return written
+
+    async def ping(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+_SCRIPTS = ("tenant_create", "tenant_replace", "tenant_delete", "key_add", "key_delete",
+            "tenants_seed")
+
+
+class RedisTenantStore:
+    """The tenant store over Redis (layout: ``policies/lua/tenants_lib.lua``); every write is
+    one Lua script, every Redis failure or overrun ``StoreUnavailable``."""
+
+    def __init__(self, url: str, *, timeout_s: float = 0.25, key_prefix: str = "sluice",
+                 max_connections: int = 8) -> None:
+        if "{" in key_prefix or "}" in key_prefix:
+            raise ValueError("key_prefix must not contain braces (they set the hash tag)")
+        # The quota store's connection settings: bounded pool, tight timeouts, no retries
+        # (a retried write could apply twice), an outer deadline over the whole call.
+        self._deadline_s = 2 * timeout_s
+        pool = BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=None, socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+        self._redis: Redis = Redis.from_pool(pool)
+        tag = f"{key_prefix}:{{registry:tenants}}"
+        self.keys = [f"{tag}:{k}" for k in ("version", "records", "keys", "deleted")]
+        lib = lua_source("tenants_lib")
+        self._scripts: dict[str, AsyncScript] = {
+            name: self._redis.register_script(lib + "\n" + lua_source(name))
+            for name in _SCRIPTS}
+
+    async def version(self) -> int:
+        raw = await self._guard(self._redis.get(self.keys[0]))
+        return int(raw or 0)
+
+    async def snapshot(self) -> Snapshot:
+        async def read() -> list[Any]:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.get(self.keys[0]).hgetall(self.keys[1]).hgetall(self.keys[2])
+                return cast(list[Any], await pipe.execute())
+
+        version, records, keys = await self._guard(read())
+        return Snapshot.parse(int(version or 0), {k.decode(): v for k, v in records.items()},
+                              {k.decode(): v for k, v in keys.items()})
+
+    async def get_tenant(self, tenant_id: str) -> Record | None:
+        raw = await self._guard(self._redis.hget(self.keys[1], tenant_id))
+        return None if raw is None else cast(Record, json.loads(raw))
+
+    async def create_tenant(self, record: Record) -> int:
+        tid = str(record["id"])
+        version = await self._run("tenant_create", tid, canonical(record))
+        if version == 0:
+            raise TenantExists(tid)
+        return version
+
+    async def replace_tenant(self, record: Record, expected: Record) -> int:
+        tid = str(record["id"])
+        version = await self._run("tenant_replace", tid, canonical(expected), canonical(record))
+        if version == -1:
+            raise NoSuchTenant(tid)
+        if version == -2:
+            raise ChangedConcurrently(tid)
+        return version
+
+    async def delete_tenant(self, tenant_id: str) -> int:
+        version = await self._run("tenant_delete", tenant_id)
+        if version == 0:
+            raise NoSuchTenant(tenant_id)
+        return version
+
+    async def add_key(self, key: KeyRecord) -> int:
+        version = await self._run("key_add", key.tenant, key.id, key.to_json())
+        if version == -1:
+            raise NoSuchTenant(key.tenant)
+        if version == 0:
+            raise KeyExists(key.id)
+        return version
+
+    async def delete_key(self, tenant_id: str, key_id: str) -> int:
+        version = await self._run("key_delete", tenant_id, key_id)
+        if version == 0:
+            raise NoSuchKey(key_id)
+        return version
+
+    async def seed(self, tenants: Sequence[Record], keys: Sequence[KeyRecord]) -> int:
+        args: list[str] = [str(len(tenants))]
+        for record in tenants:
+            args += [str(record["id"]), canonical(record)]
+        for key in keys:
+            args += [key.id, key.tenant, key.to_json()]
+        return await self._run("tenants_seed", *args)
+
+    async def ping(self) -> None:
+        await self._guard(self._redis.ping())
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+    async def _run(self, script: str, *args: str) -> int:
+        return int(await self._guard(self._scripts[script](keys=self.keys, args=args)))
+
+    async def _guard(self, call: Any) -> Any:
+        """Await a redis-py call; any failure or overrun becomes StoreUnavailable."""
+        try:
+            async with asyncio.timeout(self._deadline_s):
+                return await call
+        except (RedisError, OSError, TimeoutError) as exc:
+            if isinstance(exc, RedisConnectionError):
+                # The server went away: drop the idle connections, which are stale too.
+                with contextlib.suppress(RedisError, OSError):
+                    await self._redis.connection_pool.disconnect(inuse_connections=False)
+            raise StoreUnavailable(f"redis: {type(exc).__name__}: {exc}") from exc
