@@ -18,7 +18,8 @@ Shedding, at enqueue:
     the deadline passes while waiting                            504
 with ``predicted wait = worst-case tokens waiting ahead (this request's class or more
 urgent, plus its own) ÷ drain rate``, the drain rate being the worst-case tokens of slots
-released per second over the last ``DRAIN_WINDOW_S``. Retry-After is that predicted wait.
+released per second over the last ``DRAIN_WINDOW_S`` (or since the first slot, if sooner).
+Before any slot was released there is no rate, and no request is shed by prediction. Retry-After is that predicted wait.
 
 A client that leaves while waiting is removed at once (its task is cancelled); one that
 leaves just as it was granted a slot gives the slot back.
@@ -98,6 +99,7 @@ class DispatchQueue:
         self._wake = asyncio.Event()
         self._pump: asyncio.Task[None] | None = None
         self._releasing: set[asyncio.Task[None]] = set()
+        self._first_slot: float | None = None
 
     # ---- public ---------------------------------------------------------------------------
     async def acquire(self, request_id: str, tenant: str, weight: float, priority: int,
@@ -162,9 +164,10 @@ class DispatchQueue:
         now = self.clock()
         while self._drained and self._drained[0][0] < now - DRAIN_WINDOW_S:
             self._drained.popleft()
-        if not self._drained:
+        if not self._drained or self._first_slot is None:
             return None
-        span = max(now - self._drained[0][0], 1.0)
+        # released over the window, or over the time since slots were first handed out
+        span = max(min(now - self._first_slot, DRAIN_WINDOW_S), 1.0)
         return sum(t for _, t in self._drained) / span
 
     async def renew_all(self) -> None:
@@ -196,6 +199,8 @@ class DispatchQueue:
                                     _share(cap_seqs, self.replicas), self.slot_ttl_s)
         if ok:
             self.held[request_id] = gate
+            if self._first_slot is None:
+                self._first_slot = self.clock()
         return ok
 
     async def _give_back(self, request_id: str, tokens: int) -> None:
