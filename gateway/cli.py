@@ -182,7 +182,7 @@ def _curl_line(url: str, model: str, key: str) -> str:
 
 def _up(args: argparse.Namespace) -> int:
     from .app import create_app
-    from .config import GatewayConfig, Listen, ModelEntry, load_tenants
+    from .config import GatewayConfig, Listen, ModelEntry, StoreConfig, load_tenants
     from .errors import ConfigError
 
     _logging(args.log_level)
@@ -214,7 +214,8 @@ def _up(args: argparse.Namespace) -> int:
             tokenizer = "local:tiny" if args.model == "tiny" else f"local:{args.model}"
             entry = ModelEntry(name=name, upstream=backend_url, kind="sluice",
                                tokenizer=tokenizer)
-        config = GatewayConfig(listen=Listen(host=args.host, port=args.port),
+        store = StoreConfig(url=args.redis or None)
+        config = GatewayConfig(listen=Listen(host=args.host, port=args.port), store=store,
                                models=[entry], tenants_file=Path(args.tenants or "-"))
         app = create_app(config, tenants)
     except (RuntimeError, ValueError, ConfigError) as exc:
@@ -227,7 +228,8 @@ def _up(args: argparse.Namespace) -> int:
     url = f"http://{shown}:{args.port}"
 
     def ready() -> None:
-        lines = [f"sluice is up: model {name} at {url}/v1"]
+        lines = [f"sluice is up: model {name} at {url}/v1 (quotas: "
+                 f"{'redis ' + args.redis if args.redis else 'in memory'})"]
         if not args.tenants:
             lines.append("demo tenants (keys): " + ", ".join(
                 f"{t} = {k}" for t, k in DEMO_KEYS.items()))
@@ -273,6 +275,9 @@ def register(sub: Any) -> None:
                     help=f"bundled backend port on 127.0.0.1 (default {DEFAULT_BACKEND_PORT})")
     up.add_argument("--tenants", default=None,
                     help="tenants.yaml (default: the demo tenants alpha and beta)")
+    up.add_argument("--redis", default=os.environ.get("SLUICE_REDIS_URL"), metavar="URL",
+                    help="keep quotas in Redis (redis://host:port/db; default: in memory, "
+                         "or $SLUICE_REDIS_URL)")
     up.add_argument("--upstream", default=None, metavar="URL",
                     help="front this OpenAI-compatible server instead of starting the backend")
     up.add_argument("--model-name", default=None, help="with --upstream: the model's name")
