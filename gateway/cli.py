@@ -228,8 +228,8 @@ def _up(args: argparse.Namespace) -> int:
     url = f"http://{shown}:{args.port}"
 
     def ready() -> None:
-        lines = [f"sluice is up: model {name} at {url}/v1 (quotas: "
-                 f"{'redis ' + args.redis if args.redis else 'in memory'})"]
+        lines = [(f"sluice is up: model {name} at {url}/v1 (quotas: "
+                 f"{'redis ' + args.redis if args.redis else 'in memory'})")]
         if not args.tenants:
             lines.append("demo tenants (keys): " + ", ".join(
                 f"{t} = {k}" for t, k in DEMO_KEYS.items()))

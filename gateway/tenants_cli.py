@@ -165,7 +165,7 @@ def register(sub: Any) -> None:
     _connection_flags(leaf, argparse.SUPPRESS)
 
     def action(name: str, help_: str, *ids: str) -> argparse.ArgumentParser:
-        p = actions.add_parser(name, help=help_, parents=[leaf])
+        p: argparse.ArgumentParser = actions.add_parser(name, help=help_, parents=[leaf])
         for ident in ids:
             p.add_argument(ident)
         return p

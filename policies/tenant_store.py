@@ -284,8 +284,10 @@ class RedisTenantStore:
     async def snapshot(self) -> Snapshot:
         async def read() -> list[Any]:
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.get(self.keys[0]).hgetall(self.keys[1]).hgetall(self.keys[2])
-                return cast(list[Any], await pipe.execute())
+                pipe.get(self.keys[0])
+                pipe.hgetall(self.keys[1])
+                pipe.hgetall(self.keys[2])
+                return await pipe.execute()
 
         version, records, keys = await self._guard(read())
         return Snapshot.parse(int(version or 0), {k.decode(): v for k, v in records.items()},
