@@ -26,16 +26,23 @@ DEMO_KEYS = {"alpha": "sk-demo-alpha", "beta": "sk-demo-beta"}
 
 
 def demo_tenants() -> Any:
-    from .config import Caps, PriorityRange, TenantEntry, TenantsFile
+    from .config import Caps, PriorityRange, QuotasConfig, TenantEntry, TenantsFile
     from .tenants import hash_key
 
     return TenantsFile(tenants=[
         TenantEntry(id="alpha", name="Alpha (demo)", keys=[hash_key(DEMO_KEYS["alpha"])],
                     models=["*"], priority=PriorityRange(min=0, max=10, default=5),
-                    caps=Caps(max_prompt_tokens=8192, max_tokens=1024, on_exceed="clamp")),
+                    caps=Caps(max_prompt_tokens=8192, max_tokens=1024, on_exceed="clamp"),
+                    quotas=QuotasConfig(tokens_per_minute=500_000, requests_per_minute=1200,
+                                        max_concurrency=64, max_queued=256),
+                    weight=2.0),
         TenantEntry(id="beta", name="Beta (demo)", keys=[hash_key(DEMO_KEYS["beta"])],
                     models=["*"], priority=PriorityRange(min=5, max=10, default=8),
-                    caps=Caps(max_prompt_tokens=4096, max_tokens=512, on_exceed="reject")),
+                    caps=Caps(max_prompt_tokens=4096, max_tokens=512, on_exceed="reject"),
+                    quotas=QuotasConfig(tokens_per_minute=50_000, requests_per_minute=120,
+                                        tokens_per_day=2_000_000, max_concurrency=8,
+                                        max_queued=32),
+                    fail_mode="open"),
     ])
 
 
