@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -115,6 +117,44 @@ def wait_ready(service: Service, path: str, timeout: float,
                       f"{service.log_tail()}")
 
 
+def start_redis(workdir: Path) -> Service:
+    """`redis-server` without persistence on a free port; ready when it answers PING."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise TargetError("redis-server is not installed (apt-get install redis-server)")
+    port = free_port()
+    service = _spawn("redis", redis_argv(binary, port, workdir), port, workdir)
+    try:
+        _wait_redis(service, 10)
+    except BaseException:
+        service.stop()
+        raise
+    return service
+
+
+def redis_argv(binary: str, port: int, workdir: Path) -> list[str]:
+    return [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--dir", str(workdir)]
+
+
+def _wait_redis(service: Service, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if service.proc.poll() is not None:
+            raise TargetError(f"redis-server exited with {service.proc.returncode}:\n"
+                              f"{service.log_tail()}")
+        try:
+            with socket.create_connection(("127.0.0.1", service.port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise TargetError(f"redis-server not answering on port {service.port} after "
+                      f"{timeout:.0f} s:\n{service.log_tail()}")
+
+
 def start_fake_upstream(workdir: Path, chunks: int) -> Service:
     port = free_port()
     service = _spawn("fake-upstream",
@@ -124,9 +164,40 @@ def start_fake_upstream(workdir: Path, chunks: int) -> Service:
     return service
 
 
-def write_gateway_config(workdir: Path, gw_port: int, up_port: int) -> Path:
+# Quotas that are on (every request is reserved against all of them and settled) but never
+# bind during the bench: ~2,000 requests/s of ~40 worst-case tokens is ~5 M tokens a minute.
+BENCH_QUOTAS = {"tokens_per_minute": 1_000_000_000, "requests_per_minute": 100_000_000,
+                "tokens_per_day": 100_000_000_000, "max_concurrency": 100_000}
+# LiteLLM's per-deployment limits, as far above the load as Sluice's.
+LITELLM_TPM, LITELLM_RPM = 1_000_000_000, 100_000_000
+REDIS_TIMEOUT_S = 0.25
+
+
+def _flow(mapping: dict[str, int]) -> str:
+    return "{" + ", ".join(f"{k}: {v}" for k, v in mapping.items()) + "}"
+
+
+def gateway_yaml(gw_port: int, up_port: int, redis_url: str | None = None) -> str:
+    """gateway.yaml; with `redis_url`, quotas (and the capacity gate) live in that Redis."""
+    store = ("" if redis_url is None else
+             f"store: {{url: {redis_url}, timeout_s: {REDIS_TIMEOUT_S}}}\n")
+    return f"""\
+listen: {{host: 127.0.0.1, port: {gw_port}}}
+{store}tenants_file: tenants.yaml
+models:
+  - name: {MODEL}
+    upstream: http://127.0.0.1:{up_port}
+    kind: openai
+    versions: {{revision: fake-rev, tokenizer: bytes, chat_template: none, engine: fake-upstream}}
+    tokenizer: bytes
+"""
+
+
+def tenants_yaml(quotas: dict[str, int] | None = None) -> str:
+    """The bench tenant; with `quotas`, limits that admission enforces on every request."""
     digest = hashlib.sha256(BENCH_KEY.encode()).hexdigest()
-    (workdir / "tenants.yaml").write_text(f"""\
+    limits = "" if quotas is None else f"    quotas: {_flow(quotas)}\n"
+    return f"""\
 tenants:
   - id: bench
     name: Benchmark tenant
@@ -134,26 +205,30 @@ tenants:
     models: ["{MODEL}"]
     priority: {{min: 0, max: 10, default: 5}}
     caps: {{max_prompt_tokens: 100000, max_tokens: 100000, on_exceed: reject}}
-""")
+{limits}"""
+
+
+def write_gateway_config(workdir: Path, gw_port: int, up_port: int,
+                         redis_url: str | None = None) -> Path:
+    (workdir / "tenants.yaml").write_text(
+        tenants_yaml(None if redis_url is None else BENCH_QUOTAS))
     config = workdir / "gateway.yaml"
-    config.write_text(f"""\
-listen: {{host: 127.0.0.1, port: {gw_port}}}
-tenants_file: tenants.yaml
-models:
-  - name: {MODEL}
-    upstream: http://127.0.0.1:{up_port}
-    kind: openai
-    versions: {{revision: fake-rev, tokenizer: bytes, chat_template: none, engine: fake-upstream}}
-    tokenizer: bytes
-""")
+    config.write_text(gateway_yaml(gw_port, up_port, redis_url))
     return config
 
 
-def start_gateway(workdir: Path, up_port: int) -> Service:
+def gateway_env_unset(environ: dict[str, str] | os._Environ[str]) -> tuple[str, ...]:
+    """SLUICE_* variables override gateway.yaml (SLUICE_REDIS_URL sets the store): the bench
+    runs the gateway on its own config only."""
+    return tuple(k for k in environ if k.startswith("SLUICE_"))
+
+
+def start_gateway(workdir: Path, up_port: int, redis_url: str | None = None) -> Service:
     port = free_port()
-    config = write_gateway_config(workdir, port, up_port)
+    config = write_gateway_config(workdir, port, up_port, redis_url)
     service = _spawn("gateway", [sys.executable, "-m", "sluice.cli", "gateway", "--config",
-                                 str(config), "--log-level", "warning"], port, workdir)
+                                 str(config), "--log-level", "warning"], port, workdir,
+                     unset=gateway_env_unset(os.environ))
     _ready_or_stop(service, "/healthz", 60)
     return service
 
@@ -166,16 +241,27 @@ LITELLM_ENV = {"LITELLM_LOG": "ERROR", "LITELLM_MODE": "PRODUCTION",
 LITELLM_UNSET = ("DATABASE_URL", "DIRECT_URL", "REDIS_HOST", "REDIS_URL")
 
 
-def write_litellm_config(workdir: Path, up_port: int) -> Path:
-    config = workdir / "litellm.yaml"
-    config.write_text(f"""\
+def litellm_yaml(up_port: int, redis_port: int | None = None) -> str:
+    """LiteLLM's config; with `redis_port`, per-deployment tpm/rpm limits tracked in that
+    Redis by the router (docs.litellm.ai/docs/proxy/load_balancing: `redis_host` and
+    `redis_port` under `router_settings` share tpm/rpm across instances;
+    `usage-based-routing-v2` is the strategy that checks them, with redis INCR and MGET)."""
+    limits = ("" if redis_port is None else
+              f"      tpm: {LITELLM_TPM}\n      rpm: {LITELLM_RPM}\n")
+    router = ("" if redis_port is None else f"""\
+router_settings:
+  routing_strategy: usage-based-routing-v2
+  redis_host: 127.0.0.1
+  redis_port: {redis_port}
+""")
+    return f"""\
 model_list:
   - model_name: {MODEL}
     litellm_params:
       model: openai/{MODEL}
       api_base: http://127.0.0.1:{up_port}/v1
       api_key: sk-upstream-unused
-general_settings:
+{limits}general_settings:
   master_key: {BENCH_KEY}
   disable_spend_logs: true
   disable_error_logs: true
@@ -184,7 +270,12 @@ litellm_settings:
   json_logs: false
   telemetry: false
   request_timeout: 600
-""")
+{router}"""
+
+
+def write_litellm_config(workdir: Path, up_port: int, redis_port: int | None = None) -> Path:
+    config = workdir / "litellm.yaml"
+    config.write_text(litellm_yaml(up_port, redis_port))
     return config
 
 
@@ -193,11 +284,12 @@ def litellm_argv(binary: str, config: Path, port: int) -> list[str]:
             "--num_workers", "1"]
 
 
-def start_litellm(workdir: Path, binary: str, up_port: int) -> Service:
+def start_litellm(workdir: Path, binary: str, up_port: int,
+                  redis_port: int | None = None) -> Service:
     if not Path(binary).exists():
         raise TargetError(f"no LiteLLM at {binary}")
     port = free_port()
-    config = write_litellm_config(workdir, up_port)
+    config = write_litellm_config(workdir, up_port, redis_port)
     service = _spawn("litellm", litellm_argv(binary, config, port), port, workdir,
                      LITELLM_ENV, LITELLM_UNSET)
     _ready_or_stop(service, "/health/liveliness", 180)
