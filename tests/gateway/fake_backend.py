@@ -4,7 +4,7 @@ It reports resolved versions like `sluice backend` (``/v1/models`` + ``x-sluice-
 counts tokens as whitespace-separated words, and streams ``chunks`` words. ``mode`` makes it
 misbehave: ``"500"``, ``"503"``, ``"400"``, ``"die"`` (drops the stream after two chunks),
 ``"hold"`` (streams two chunks, then waits for ``release``), ``"stall"`` (waits for
-``release`` before answering at all).
+``release`` before answering at all), ``"slow"`` (each answer takes 50 ms).
 """
 
 from __future__ import annotations
@@ -93,6 +93,8 @@ class FakeBackend:
     async def _generate(self, request: Request) -> Response:
         body = await request.json()
         self.bodies.append(body)
+        if self.mode == "slow":  # every answer takes ~50 ms: a saturated upstream
+            await asyncio.sleep(0.05)
         if self.mode == "stall":
             while not self.release.is_set():
                 await asyncio.sleep(0.01)
