@@ -95,6 +95,14 @@ def _invalid(exc: ValidationError) -> BadRequest:
     return BadRequest(f"invalid tenant: {detail}", first, code="invalid_value")
 
 
+def _shown(record: Record) -> Record:
+    """A stored record as the gateway applies it: defaults filled in for fields it lacks."""
+    try:
+        return tenant_record(TenantEntry.model_validate(record))
+    except ValidationError:
+        return record
+
+
 def _merge(base: Record, patch: Record) -> Record:
     """JSON merge patch (RFC 7386): objects merge, null removes (the default applies)."""
     out = dict(base)
@@ -188,7 +196,7 @@ class AdminApi:
     # ---- tenants --------------------------------------------------------------------------
     async def list_tenants(self, request: Request, who: Principal) -> Response:
         snap = await _registry(request).store.snapshot()
-        data = [r for tid, r in sorted(snap.tenants.items())
+        data = [_shown(r) for tid, r in sorted(snap.tenants.items())
                 if who.tenant is None or who.tenant == tid]
         return JSONResponse({"object": "list", "data": data})
 
@@ -206,7 +214,7 @@ class AdminApi:
     async def get_tenant(self, request: Request, who: Principal) -> Response:
         tid = request.path_params["tenant"]
         who.require_tenant(tid)
-        return JSONResponse(await _existing(_registry(request), tid))
+        return JSONResponse(_shown(await _existing(_registry(request), tid)))
 
     async def patch_tenant(self, request: Request, who: Principal) -> Response:
         tid = request.path_params["tenant"]

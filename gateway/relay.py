@@ -228,6 +228,9 @@ class Exchange:
         self.kind = kind
         self.tenant = tenant
         self.request_id = reply.request_id
+        # The client's x-request-id may repeat (a retry, a careless client); reservations,
+        # slots and settlement are keyed by this attempt's own id, never double-charged.
+        self.attempt_id = uuid.uuid4().hex
         self.reply = reply
         self.send = reply.send
         self.p: Prepared | None = None
@@ -259,7 +262,7 @@ class Exchange:
         try:
             try:
                 waited = await queue.acquire(
-                    self.request_id, self.tenant.id, self.tenant.weight, self.p.priority,
+                    self.attempt_id, self.tenant.id, self.tenant.weight, self.p.priority,
                     self.p.worst_case, self.p.deadline, self.tenant.max_queued,
                     fail_open=self.tenant.fail_mode == "open")
             except GatewayError:
@@ -284,14 +287,14 @@ class Exchange:
             raise
         finally:
             if self.has_slot:
-                queue.release(self.request_id, self.p.worst_case)
+                queue.release(self.attempt_id, self.p.worst_case)
             self._settle(self.p)
 
     async def _reserve(self, p: Prepared) -> Ticket:
         """Reserve the worst case. The store call is shielded: a client leaving mid-call
         must not leave a granted reservation behind, so it is settled at zero instead."""
         adm = self.gw.admission
-        call = asyncio.ensure_future(adm.reserve(self.tenant, p.request_id, p.worst_case))
+        call = asyncio.ensure_future(adm.reserve(self.tenant, self.attempt_id, p.worst_case))
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -446,7 +449,7 @@ class Exchange:
         if self.ticket is not None:
             self.gw.admission.settle(self.ticket, prompt + completion)
         self.gw.ledger.settle(Settlement(
-            request_id=self.request_id, tenant=self.tenant.id, model=p.upstream.name,
+            request_id=self.attempt_id, tenant=self.tenant.id, model=p.upstream.name,
             prompt_tokens=prompt, completion_tokens=completion, outcome=self.outcome,
             exact=exact))
 

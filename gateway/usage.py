@@ -20,7 +20,7 @@ _REMEMBERED_IDS = 65536
 
 @dataclass(slots=True, frozen=True)
 class Settlement:
-    request_id: str
+    request_id: str  # this attempt's own id (the client's x-request-id may repeat)
     tenant: str
     model: str
     prompt_tokens: int

@@ -191,3 +191,13 @@ def test_usage_is_shared_by_replicas_through_redis(fake: FakeBackend,
             ts) as b:
         codes = [post(g).status_code for g in (a, b, a, b)]
     assert codes == [200, 200, 200, 429]
+
+
+def test_a_repeated_x_request_id_is_a_new_attempt(fake: FakeBackend) -> None:
+    with ThreadedGateway(config_for(fake.url), tenants(tokens_per_minute=1000)) as gw:
+        for _ in range(3):
+            r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, timeout=30,
+                           headers={**auth(), "x-request-id": "same-id"})
+            assert r.status_code == 200 and r.headers["x-request-id"] == "same-id"
+        assert gw.gateway.ledger.by_tenant["one"].requests == 3  # each settled once
+        assert not gw.gateway.admission.live
