@@ -200,10 +200,7 @@ class Registry:
 
 
 async def start_registry(gw: Any, tenants: TenantsFile) -> Registry:
-    """Start ``gw``'s registry, first putting one in place of a static ``KeyRing``."""
-    registry = gw.keyring
-    if not isinstance(registry, Registry):
-        registry = Registry(gw.config, tenants)
-        gw.keyring = registry
+    """Start ``gw``'s registry (seed the store from the file, load, begin polling)."""
+    registry: Registry = gw.keyring
     await registry.start()
     return registry

@@ -31,8 +31,9 @@ from .errors import (
 )
 from .metrics import GatewayMetrics
 from .queue import DispatchQueue
+from .registry import Registry
 from .stamp import Stamp
-from .tenants import KeyRing, Tenant
+from .tenants import Tenant
 from .upstream import Upstream, UpstreamError
 from .usage import UsageLedger
 
@@ -67,7 +68,7 @@ class Gateway:
     def __init__(self, config: GatewayConfig, tenants: TenantsFile,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.config = config
-        self.keyring = KeyRing(tenants)
+        self.keyring = Registry(config, tenants)  # live: the admin API changes it
         self.upstreams: dict[str, Upstream] = {
             m.name: Upstream(m, config, transport) for m in config.models}
         self.ledger = UsageLedger()
