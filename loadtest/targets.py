@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -302,3 +303,94 @@ def _ready_or_stop(service: Service, path: str, timeout: float) -> None:
     except BaseException:
         service.stop()
         raise
+
+
+# ---- looking inside the bench's Redis and the gateway, between timed windows -------------
+
+CommandStats = dict[str, tuple[int, int]]  # command -> (calls, usec inside Redis)
+PROBE_COMMANDS = frozenset({"info", "scan", "type", "ping", "client|setname",
+                            "client|setinfo", "hello"})  # what RedisProbe itself sends
+
+
+def command_stats(info: dict[str, Any]) -> CommandStats:
+    """redis-py's parsed `INFO commandstats` as {command: (calls, usec)}."""
+    out: CommandStats = {}
+    for key, value in info.items():
+        if key.startswith("cmdstat_") and isinstance(value, dict):
+            out[key[len("cmdstat_"):]] = (int(value.get("calls", 0)), int(value.get("usec", 0)))
+    return out
+
+
+def command_delta(before: CommandStats, after: CommandStats) -> CommandStats:
+    """What was called between two snapshots, less the probe's own commands."""
+    out: CommandStats = {}
+    for name, (calls, usec) in after.items():
+        c0, u0 = before.get(name, (0, 0))
+        if calls > c0 and name not in PROBE_COMMANDS:
+            out[name] = (calls - c0, usec - u0)
+    return out
+
+
+_ID = re.compile(r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b"
+                 r"|\b[0-9a-f]{16,}\b")
+_MINUTE = re.compile(r"(?<![\d-])\d{2}-\d{2}(?![\d-])")
+_NUMBER = re.compile(r"\b\d{4,}\b")
+
+
+def key_pattern(key: str) -> str:
+    """A Redis key with its ids, minutes (HH-MM) and long numbers replaced by placeholders."""
+    return _NUMBER.sub("<n>", _MINUTE.sub("<HH-MM>", _ID.sub("<id>", key)))
+
+
+def metric_totals(text: str) -> dict[str, float]:
+    """Prometheus text exposition: every metric's samples, summed over their labels."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        series, _, value = line.rpartition(" ")
+        try:
+            number = float(value)
+        except ValueError:
+            continue
+        name = series.split("{", 1)[0]
+        out[name] = out.get(name, 0.0) + number
+    return out
+
+
+def metric_lines(text: str, name: str) -> list[str]:
+    return [line for line in text.splitlines()
+            if line.startswith((name + "{", name + " "))]
+
+
+def fetch_metrics(port: int) -> str:
+    with httpx.Client(timeout=5.0) as client:
+        response = client.get(f"http://127.0.0.1:{port}/metrics")
+        response.raise_for_status()
+        return response.text
+
+
+class RedisProbe:
+    """A blocking client for the bench's Redis: INFO and SCAN, never inside a timed window."""
+
+    def __init__(self, port: int) -> None:
+        import redis
+
+        self.client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=5.0)
+
+    def version(self) -> str:
+        return str(self.client.info("server")["redis_version"])
+
+    def commands(self) -> CommandStats:
+        return command_stats(self.client.info("commandstats"))
+
+    def key_patterns(self) -> dict[str, int]:
+        """How many keys match each `key_pattern`."""
+        out: dict[str, int] = {}
+        for raw in self.client.scan_iter(count=1000):
+            pattern = key_pattern(raw.decode(errors="replace"))
+            out[pattern] = out.get(pattern, 0) + 1
+        return dict(sorted(out.items()))
+
+    def close(self) -> None:
+        self.client.close()
