@@ -73,6 +73,7 @@ class Waiter:
 
 
 Limits = Callable[[], tuple[int | None, int | None]]  # (cap_tokens, cap_seqs) now
+UNGATED: CapacityGate = MemoryGate()  # marks slots of an upstream without capacity limits
 
 
 class DispatchQueue:
@@ -172,6 +173,8 @@ class DispatchQueue:
 
     async def renew_all(self) -> None:
         for rid, gate in list(self.held.items()):
+            if gate is UNGATED:
+                continue
             with contextlib.suppress(StoreUnavailable):
                 await gate.renew(self.upstream, rid, self.slot_ttl_s)
 
@@ -184,6 +187,10 @@ class DispatchQueue:
     # ---- internals ------------------------------------------------------------------------
     async def _try(self, request_id: str, tokens: int, fail_open: bool) -> bool:
         cap_tokens, cap_seqs = self.limits()
+        if cap_tokens is None and cap_seqs is None:
+            # An upstream of unknown capacity has no gate: no store round trip to make.
+            self.held[request_id] = UNGATED
+            return True
         gate: CapacityGate = self.gate
         try:
             ok = await gate.acquire(self.upstream, request_id, tokens, cap_tokens, cap_seqs,
@@ -208,6 +215,9 @@ class DispatchQueue:
         if gate is None:
             return
         self._drained.append((self.clock(), tokens))
+        if gate is UNGATED:
+            self._wake.set()
+            return
         try:
             await gate.release(self.upstream, request_id)
         except StoreUnavailable:

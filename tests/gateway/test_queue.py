@@ -169,3 +169,15 @@ async def test_leaving_while_queued_removes_the_entry_and_a_late_grant_is_return
     q.release("holder", 1)
     await settle()
     assert not q.held and await q.gate.in_flight("m") == (0, 0)
+
+
+async def test_an_upstream_without_limits_has_no_gate_round_trip() -> None:
+    q = make(cap_seqs=None, cap_tokens=None)
+    for i in range(5):
+        assert await q.acquire(f"r{i}", "t", 1.0, 5, 10**6, None, None) == 0.0
+    assert await q.gate.in_flight("m") == (0, 0)  # the shared gate was never asked
+    assert len(q.held) == 5
+    for i in range(5):
+        q.release(f"r{i}", 10)
+    await settle()
+    assert not q.held and q.drain_rate() is not None
