@@ -190,6 +190,8 @@ class DispatchQueue:
         if cap_tokens is None and cap_seqs is None:
             # An upstream of unknown capacity has no gate: no store round trip to make.
             self.held[request_id] = UNGATED
+            if self._first_slot is None:
+                self._first_slot = self.clock()
             return True
         gate: CapacityGate = self.gate
         try:
