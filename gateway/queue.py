@@ -143,6 +143,35 @@ class DispatchQueue:
             self._remove(w)
         return self.clock() - start
 
+    def try_early(self, request_id: str, tokens: int,
+                  fail_open: bool) -> asyncio.Task[bool] | None:
+        """With nobody waiting, start asking the gate for a slot now (before the quota
+        reservation is known); None when requests wait (they go first)."""
+        if self.size:
+            return None
+        return asyncio.ensure_future(self._try(request_id, tokens, fail_open))
+
+    async def took_early(self, early: asyncio.Task[bool]) -> bool:
+        """Whether the early attempt got the slot (False: queue as usual)."""
+        try:
+            return await asyncio.shield(early)
+        except GatewayError:
+            return False
+
+    def drop_early(self, request_id: str, early: asyncio.Task[bool] | None) -> None:
+        """The request will not run: give back a slot the early attempt got, or gets."""
+        if early is None:
+            return
+
+        def give_back(done: asyncio.Task[bool]) -> None:
+            if not done.cancelled() and done.exception() is None and done.result():
+                self.release(request_id, 0)
+
+        if early.done():
+            give_back(early)
+        else:
+            early.add_done_callback(give_back)
+
     def release(self, request_id: str, tokens: int) -> None:
         """Give a slot back (idempotent), in a task the queue owns: a cancelled request
         cannot cancel its own release."""

@@ -253,20 +253,34 @@ class Exchange:
         except GatewayError as err:
             await send_error(self.reply, err, self.stamps[0] if self.stamps else None)
             return
+        queue = self.gw.queues[self.p.upstream.name]
+        fail_open = self.tenant.fail_mode == "open"
+        # With nobody waiting, ask the capacity gate for a slot while the quota store
+        # reserves: one round trip before dispatch instead of two. Given back if refused.
+        early = queue.try_early(self.attempt_id, self.p.worst_case, fail_open)
         try:
             self.ticket = await self._reserve(self.p)
         except GatewayError as err:
+            queue.drop_early(self.attempt_id, early)
             await send_error(self.reply, err, self.p.stamp)
             return
-        queue = self.gw.queues[self.p.upstream.name]
+        except BaseException:
+            queue.drop_early(self.attempt_id, early)
+            raise
         try:
             try:
-                waited = await queue.acquire(
-                    self.attempt_id, self.tenant.id, self.tenant.weight, self.p.priority,
-                    self.p.worst_case, self.p.deadline, self.tenant.max_queued,
-                    fail_open=self.tenant.fail_mode == "open")
+                if early is not None and await queue.took_early(early):
+                    waited = 0.0
+                else:
+                    waited = await queue.acquire(
+                        self.attempt_id, self.tenant.id, self.tenant.weight,
+                        self.p.priority, self.p.worst_case, self.p.deadline,
+                        self.tenant.max_queued, fail_open=fail_open)
             except GatewayError:
                 self.outcome = "shed"
+                raise
+            except BaseException:
+                queue.drop_early(self.attempt_id, early)
                 raise
             self.queue_ms = int(waited * 1000)
             self.has_slot = True

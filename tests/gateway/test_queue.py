@@ -181,3 +181,25 @@ async def test_an_upstream_without_limits_has_no_gate_round_trip() -> None:
         q.release(f"r{i}", 10)
     await settle()
     assert not q.held and q.drain_rate() is not None
+
+
+async def test_an_early_slot_is_given_back_when_the_request_will_not_run() -> None:
+    q = make()
+    early = q.try_early("r1", 1, False)
+    assert early is not None and await q.took_early(early)
+    q.drop_early("r1", early)  # e.g. the quota reservation was refused
+    await settle()
+    assert not q.held and await q.gate.in_flight("m") == (0, 0)
+    # still running when dropped: given back once it completes
+    early = q.try_early("r2", 1, False)
+    assert early is not None
+    q.drop_early("r2", early)
+    await early
+    await settle()
+    assert not q.held
+    # nobody waits early when requests are queued
+    await q.acquire("holder", "t", 1.0, 5, 1, None, None)
+    w = asyncio.ensure_future(q.acquire("w", "t", 1.0, 5, 1, None, None))
+    await settle()
+    assert q.try_early("r3", 1, False) is None
+    w.cancel()
