@@ -198,7 +198,8 @@ class DispatchQueue:
             return None
         # released over the window, or over the time since slots were first handed out
         span = max(min(now - self._first_slot, DRAIN_WINDOW_S), 1.0)
-        return sum(t for _, t in self._drained) / span
+        released = sum(t for _, t in self._drained)
+        return released / span if released > 0 else None  # slots given back unused: no rate
 
     async def renew_all(self) -> None:
         for rid, gate in list(self.held.items()):
