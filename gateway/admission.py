@@ -81,7 +81,7 @@ def build_gate(store: Store) -> CapacityGate:
     if isinstance(store, RedisStore):
         from policies.capacity import RedisGate
 
-        return RedisGate(store.client)
+        return RedisGate(store.client, deadline_s=store.deadline_s)
     return MemoryGate()
 
 

@@ -60,6 +60,9 @@ class Stats:
     ttft_p99_ms: float
     lag_p99_ms: float
     cpu_us_per_request: float | None = None
+    # e2e p99 of each of its segments, in order (interleaved runs): one bad segment (a
+    # neighbour's burst, a pause) shows here as one outlier
+    segment_p99_ms: list[float] = field(default_factory=list)
 
     @classmethod
     def of(cls, samples: list[Sample], chunks: int, cpu_s: float | None) -> Stats:
@@ -108,6 +111,7 @@ async def interleaved(targets: Sequence[Target], rate: float, seconds: float,
         await open_loop(target.pool, rate, warmup_s, cap)  # discarded
     samples: dict[str, list[Sample]] = {t.name: [] for t in targets}
     cpu: dict[str, float] = {t.name: 0.0 for t in targets}
+    segments: dict[str, list[float]] = {t.name: [] for t in targets}
     overloaded: set[str] = set()
     for k in range(max(1, round(seconds / segment_s))):
         for target in (targets if k % 2 == 0 else list(reversed(targets))):
@@ -118,10 +122,15 @@ async def interleaved(targets: Sequence[Target], rate: float, seconds: float,
             if target.cpu_seconds:
                 cpu[target.name] += target.cpu_seconds() - before
             samples[target.name] += got
+            e2e = sorted(s.e2e for s in got if s.status == 200 and not s.error)
+            segments[target.name].append(round(percentile(e2e, 99) * 1000, 3))
             if give_up and any(s.error == NOT_SENT for s in got):
                 overloaded.add(target.name)
-    return {t.name: Stats.of(samples[t.name], chunks,
-                             cpu[t.name] if t.cpu_seconds else None) for t in targets}
+    out = {t.name: Stats.of(samples[t.name], chunks, cpu[t.name] if t.cpu_seconds else None)
+           for t in targets}
+    for name, stats in out.items():
+        stats.segment_p99_ms = segments[name]
+    return out
 
 
 @dataclass(slots=True)
@@ -169,14 +178,16 @@ LOWEST_RATE = 5.0
 
 async def sweep(direct: Target, target: Target, step_s: float, segment_s: float,
                 min_requests: int, chunks: int, refinements: int,
-                log: Callable[[str], None]) -> Sweep:
+                log: Callable[[str], None],
+                on_step: Callable[[Step], str] | None = None) -> Sweep:
     """Find the highest sustained rate: a light-load probe (which picks the criterion), then
     up the ladder from 100/s while the target keeps up, or down by halves while it does
     not, then bisect between the last pass and the first fail.
 
     Each step loads both sides for `step_s` seconds, or long enough for `min_requests`.
     A target is given up for the step (failed, as overloaded) past 0.5 s worth of requests
-    in flight: 10x the 50 ms it may add.
+    in flight: 10x the 50 ms it may add. `on_step`, after each step, returns a note for the
+    step's log line.
     """
     result = Sweep(target.name)
 
@@ -189,11 +200,12 @@ async def sweep(direct: Target, target: Target, step_s: float, segment_s: float,
         step.sustained = (step.target.error_share < MAX_ERROR_SHARE
                           and step.added_p99_ms <= result.allowed_added_p99_ms)
         result.steps.append(step)
+        note = on_step(step) if on_step else ""
         log(f"  {target.name} @ {rate:5.4g}/s: p99 {step.target.e2e_p99_ms:8.2f} ms "
             f"(direct {step.direct.e2e_p99_ms:7.2f}), errors {step.target.error_share:6.1%}, "
             f"client lag p99 {max(step.direct.lag_p99_ms, step.target.lag_p99_ms):5.1f} ms"
             f"{'' if step.sustained else '  <- not sustained'}"
-            f"{'' if step.reliable else '  (client lagged: unreliable)'}")
+            f"{'' if step.reliable else '  (client lagged: unreliable)'}{note}")
         return step
 
     async def run(rate: float) -> bool:

@@ -169,6 +169,9 @@ def start_fake_upstream(workdir: Path, chunks: int) -> Service:
 # bind during the bench: ~2,000 requests/s of ~40 worst-case tokens is ~5 M tokens a minute.
 BENCH_QUOTAS = {"tokens_per_minute": 1_000_000_000, "requests_per_minute": 100_000_000,
                 "tokens_per_day": 100_000_000_000, "max_concurrency": 100_000}
+# The model's capacity in --redis mode: known, so every request takes a slot of the capacity
+# gate in Redis (an upstream of unknown capacity skips the gate), and far above the load.
+BENCH_CAPACITY = {"kv_tokens": 100_000_000, "max_seqs": 100_000}
 # LiteLLM's per-deployment limits, as far above the load as Sluice's.
 LITELLM_TPM, LITELLM_RPM = 1_000_000_000, 100_000_000
 REDIS_TIMEOUT_S = 0.25
@@ -179,9 +182,10 @@ def _flow(mapping: dict[str, int]) -> str:
 
 
 def gateway_yaml(gw_port: int, up_port: int, redis_url: str | None = None) -> str:
-    """gateway.yaml; with `redis_url`, quotas (and the capacity gate) live in that Redis."""
+    """gateway.yaml; with `redis_url`, quotas and the capacity gate live in that Redis."""
     store = ("" if redis_url is None else
              f"store: {{url: {redis_url}, timeout_s: {REDIS_TIMEOUT_S}}}\n")
+    capacity = "" if redis_url is None else f"    capacity: {_flow(BENCH_CAPACITY)}\n"
     return f"""\
 listen: {{host: 127.0.0.1, port: {gw_port}}}
 {store}tenants_file: tenants.yaml
@@ -191,7 +195,7 @@ models:
     kind: openai
     versions: {{revision: fake-rev, tokenizer: bytes, chat_template: none, engine: fake-upstream}}
     tokenizer: bytes
-"""
+{capacity}"""
 
 
 def tenants_yaml(quotas: dict[str, int] | None = None) -> str:

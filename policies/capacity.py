@@ -16,6 +16,7 @@ replica's slots expire) and are renewed by the same loop.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Callable
@@ -132,11 +133,13 @@ return {redis.call('ZCARD', KEYS[1]), tonumber(redis.call('HGET', KEYS[2], '_sum
 class RedisGate:
     """The gate over Redis, sharing the quota store's connection pool."""
 
-    def __init__(self, redis: object, key_prefix: str = "sluice") -> None:
+    def __init__(self, redis: object, key_prefix: str = "sluice",
+                 deadline_s: float = 0.5) -> None:
         from redis.asyncio import Redis
 
         assert isinstance(redis, Redis)
         self._redis = redis
+        self._deadline_s = deadline_s  # the whole call: a pooled connection, the script
         self._prefix = key_prefix
         self._acquire = redis.register_script(_ACQUIRE)
         self._release = redis.register_script(_RELEASE)
@@ -151,7 +154,9 @@ class RedisGate:
         from redis.exceptions import RedisError
 
         try:
-            return await script(keys=self._keys(upstream), args=args)  # type: ignore[operator]
+            async with asyncio.timeout(self._deadline_s):
+                return await script(keys=self._keys(upstream),  # type: ignore[operator]
+                                    args=args)
         except (RedisError, OSError, TimeoutError) as exc:
             raise StoreUnavailable(f"capacity gate: {type(exc).__name__}: {exc}") from exc
 

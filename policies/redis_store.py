@@ -83,6 +83,11 @@ class RedisStore:
         }
 
     @property
+    def deadline_s(self) -> float:
+        """The bound on one whole call (waiting for a connection included)."""
+        return self._deadline_s
+
+    @property
     def client(self) -> Redis:
         """The connection pool's client (the capacity gate shares it)."""
         return self._redis
