@@ -55,3 +55,27 @@ def test_stopping_up_stops_its_backend(tmp_path: Path) -> None:
     assert up.stop() == 0  # SIGTERM: a graceful exit
     with pytest.raises(httpx.ConnectError):
         httpx.get(up.backend_url + "/health")
+
+
+def test_up_with_redis_keeps_quotas_in_redis(tmp_path: Path) -> None:
+    import redis
+
+    from tests.policies.conftest import RedisServer
+
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        up = start_sluice_up(tmp_path, "--redis", server.url)
+        try:
+            assert f"quotas: redis {server.url}" in up.log()
+            client = openai.OpenAI(base_url=up.url + "/v1", api_key=ALPHA, max_retries=0)
+            raw = client.chat.completions.with_raw_response.create(
+                model="sluice-tiny", messages=[{"role": "user", "content": "hi"}],
+                max_tokens=3)
+            assert raw.headers["x-ratelimit-limit-tokens"] == "500000"
+            keys = {k.decode() for k in redis.Redis.from_url(server.url).keys("*")}
+            assert "sluice:{alpha}:bucket" in keys and "sluice:{alpha}:budget" in keys
+        finally:
+            assert up.stop() == 0
+    finally:
+        server.stop()
