@@ -16,13 +16,12 @@ replica's slots expire) and are renewed by the same loop.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from collections.abc import Callable
 from typing import Protocol
 
-from policies.store import StoreUnavailable, ttl_us
+from policies.store import ttl_us
 
 US = 1_000_000
 
@@ -151,14 +150,10 @@ class RedisGate:
         return [f"{self._prefix}:{tag}:slots", f"{self._prefix}:{tag}:tokens"]
 
     async def _call(self, script: object, upstream: str, args: list[object]) -> object:
-        from redis.exceptions import RedisError
+        from policies.redis_store import guarded
 
-        try:
-            async with asyncio.timeout(self._deadline_s):
-                return await script(keys=self._keys(upstream),  # type: ignore[operator]
-                                    args=args)
-        except (RedisError, OSError, TimeoutError) as exc:
-            raise StoreUnavailable(f"capacity gate: {type(exc).__name__}: {exc}") from exc
+        return await guarded(self._redis, self._deadline_s,
+                             script(keys=self._keys(upstream), args=args))  # type: ignore[operator]
 
     async def acquire(self, upstream: str, request_id: str, tokens: int,
                       cap_tokens: int | None, cap_seqs: int | None, ttl_s: float) -> bool:

@@ -53,6 +53,34 @@ from policies.store import (
 _KEYS = ("bucket", "budget", "leases", "resv", "done")
 
 
+def connect(url: str, timeout_s: float, max_connections: int) -> Redis:
+    """A client with Sluice's connection settings, shared by every Redis-backed store.
+
+    A stalled connect or command fails after timeout_s. The pool is bounded: a burst queues
+    for a connection (a script takes microseconds) instead of opening hundreds at once. No
+    retries: a retried reserve or write could apply twice.
+    """
+    pool = BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=None, socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+    return Redis.from_pool(pool)
+
+
+async def guarded(redis: Redis, deadline_s: float, call: Any) -> Any:
+    """Await a redis-py call within deadline_s (waiting for a pooled connection included);
+    any failure or overrun becomes StoreUnavailable."""
+    try:
+        async with asyncio.timeout(deadline_s):
+            return await call
+    except (RedisError, OSError, TimeoutError) as exc:
+        if isinstance(exc, RedisConnectionError):
+            # The server went away: the other idle connections are stale too; drop them
+            # so the next call reconnects instead of failing on one of them.
+            with contextlib.suppress(RedisError, OSError):
+                await redis.connection_pool.disconnect(inuse_connections=False)
+        raise StoreUnavailable(f"redis: {type(exc).__name__}: {exc}") from exc
+
+
 def lua_source(name: str) -> str:
     """The text of `policies/lua/<name>.lua`."""
     return resources.files("policies").joinpath("lua", f"{name}.lua").read_text("utf-8")
@@ -66,16 +94,8 @@ class RedisStore:
         if "{" in key_prefix or "}" in key_prefix:
             raise ValueError("key_prefix must not contain braces (they set the hash tag)")
         self._prefix = key_prefix
-        # A stalled connect or command fails after timeout_s; the outer deadline bounds the
-        # whole call: waiting for a pooled connection, connecting, the command. The pool is
-        # bounded: a burst queues for a connection (a script takes microseconds) instead of
-        # opening hundreds of connections at once. No retries: a retried reserve could run
-        # twice.
-        self._deadline_s = 2 * timeout_s
-        pool = BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=None, socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
-        self._redis: Redis = Redis.from_pool(pool)
+        self._deadline_s = 2 * timeout_s  # bounds a whole call (see `guarded`)
+        self._redis: Redis = connect(url, timeout_s, max_connections)
         lib = lua_source("lib")
         self._scripts: dict[str, AsyncScript] = {
             name: self._redis.register_script(lib + "\n" + lua_source(name))
@@ -151,14 +171,4 @@ class RedisStore:
         return await self._guard(self._scripts[script](keys=keys, args=args))
 
     async def _guard(self, call: Any) -> Any:
-        """Await a redis-py call; any failure or overrun becomes StoreUnavailable."""
-        try:
-            async with asyncio.timeout(self._deadline_s):
-                return await call
-        except (RedisError, OSError, TimeoutError) as exc:
-            if isinstance(exc, RedisConnectionError):
-                # The server went away: the other idle connections are stale too; drop them
-                # so the next call reconnects instead of failing on one of them.
-                with contextlib.suppress(RedisError, OSError):
-                    await self._redis.connection_pool.disconnect(inuse_connections=False)
-            raise StoreUnavailable(f"redis: {type(exc).__name__}: {exc}") from exc
+        return await guarded(self._redis, self._deadline_s, call)

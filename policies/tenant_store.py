@@ -23,22 +23,16 @@ Invariants both implementations keep (tests/policies/test_tenant_store.py checks
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol, cast
 
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 
-from policies.redis_store import lua_source
-from policies.store import StoreError, StoreUnavailable
+from policies.redis_store import connect, guarded, lua_source
+from policies.store import StoreError
 
 Role = Literal["user", "tenant_admin"]
 ROLES: tuple[Role, ...] = ("user", "tenant_admin")
@@ -263,13 +257,9 @@ class RedisTenantStore:
                  max_connections: int = 8) -> None:
         if "{" in key_prefix or "}" in key_prefix:
             raise ValueError("key_prefix must not contain braces (they set the hash tag)")
-        # The quota store's connection settings: bounded pool, tight timeouts, no retries
-        # (a retried write could apply twice), an outer deadline over the whole call.
+        # The quota store's connection settings and whole-call deadline.
         self._deadline_s = 2 * timeout_s
-        pool = BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=None, socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
-        self._redis: Redis = Redis.from_pool(pool)
+        self._redis: Redis = connect(url, timeout_s, max_connections)
         tag = f"{key_prefix}:{{registry:tenants}}"
         self.keys = [f"{tag}:{k}" for k in ("version", "records", "keys", "deleted")]
         lib = lua_source("tenants_lib")
@@ -351,13 +341,4 @@ class RedisTenantStore:
         return int(await self._guard(self._scripts[script](keys=self.keys, args=args)))
 
     async def _guard(self, call: Any) -> Any:
-        """Await a redis-py call; any failure or overrun becomes StoreUnavailable."""
-        try:
-            async with asyncio.timeout(self._deadline_s):
-                return await call
-        except (RedisError, OSError, TimeoutError) as exc:
-            if isinstance(exc, RedisConnectionError):
-                # The server went away: drop the idle connections, which are stale too.
-                with contextlib.suppress(RedisError, OSError):
-                    await self._redis.connection_pool.disconnect(inuse_connections=False)
-            raise StoreUnavailable(f"redis: {type(exc).__name__}: {exc}") from exc
+        return await guarded(self._redis, self._deadline_s, call)
