@@ -24,11 +24,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .admin import admin_routes
+from .client_io import clean_request_id, header
 from .config import GatewayConfig, TenantsFile
 from .errors import GatewayError, InternalError, MethodNotAllowed, NotFound
 from .metrics import CONTENT_TYPE
 from .registry import start_registry
-from .relay import ProxyEndpoint, clean_request_id, header
+from .relay import ProxyEndpoint
 from .service import Gateway
 
 log = logging.getLogger("sluice.gateway")

@@ -4,7 +4,6 @@ blocks in the bundled backend at once, and its usage is settled as cancelled."""
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -12,6 +11,8 @@ from typing import Any
 
 import httpx
 import pytest
+
+from tests.backend.server.test_cancellation import RawClient
 
 from .conftest import ALPHA, SluiceUp, start_sluice_up
 
@@ -27,34 +28,12 @@ def narrow(tmp_path_factory: pytest.TempPathFactory, sluice_up: SluiceUp) -> Ite
     up.stop()
 
 
-class RawClient:
-    """A raw socket, so that the moment of disconnect is the test's to choose."""
+def raw_client(up: SluiceUp) -> RawClient:
+    return RawClient(int(up.url.rsplit(":", 1)[1]),
+                     b"authorization: Bearer " + ALPHA.encode() + b"\r\n")
 
-    def __init__(self, url: str) -> None:
-        self.port = int(url.rsplit(":", 1)[1])
-        self.writer: asyncio.StreamWriter | None = None
 
-    async def send(self, body: dict[str, Any]) -> asyncio.StreamReader:
-        reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
-        data = json.dumps(body).encode()
-        self.writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
-                          b"authorization: Bearer " + ALPHA.encode() + b"\r\n"
-                          b"content-type: application/json\r\n"
-                          b"content-length: %d\r\n\r\n%s" % (len(data), data))
-        await self.writer.drain()
-        return reader
-
-    async def read_content_events(self, reader: asyncio.StreamReader, n: int) -> None:
-        seen = 0
-        while seen < n:
-            line = await asyncio.wait_for(reader.readline(), 60)
-            assert line, "the gateway closed the stream early"
-            if line.startswith(b"data: {") and b'"content":""' not in line:
-                seen += 1
-
-    def disconnect(self) -> None:
-        assert self.writer is not None
-        self.writer.transport.abort()  # RST: as abrupt as a killed client
+CHAT_PATH = "/v1/chat/completions"
 
 
 def body(i: int) -> dict[str, Any]:
@@ -102,10 +81,10 @@ async def test_fifty_clients_leaving_mid_generation_free_every_block(
         sluice_up: SluiceUp) -> None:
     await wait_state(sluice_up, all_free, 30)
     before = cancelled_count(sluice_up)
-    clients = [RawClient(sluice_up.url) for _ in range(CLIENTS)]
-    readers = await asyncio.gather(*(c.send(body(i)) for i, c in enumerate(clients)))
+    clients = [raw_client(sluice_up) for _ in range(CLIENTS)]
+    readers = await asyncio.gather(*(c.send(CHAT_PATH, body(i)) for i, c in enumerate(clients)))
     # every stream has produced tokens: all 50 are mid-generation in the engine
-    await asyncio.gather(*(c.read_content_events(r, 3) for c, r in zip(clients, readers)))
+    await asyncio.gather(*(c.read_events(r, 3) for c, r in zip(clients, readers)))
     state = sluice_up.backend_state()
     assert state["running"] == CLIENTS and state["kv_blocks_free"] < state["kv_blocks_total"]
     for c in clients:
@@ -122,8 +101,8 @@ async def test_clients_leaving_before_the_first_token_free_every_block(
         narrow: SluiceUp) -> None:
     await wait_state(narrow, all_free, 30)
     before = cancelled_count(narrow)
-    clients = [RawClient(narrow.url) for _ in range(CLIENTS)]
-    await asyncio.gather(*(c.send(body(i)) for i, c in enumerate(clients)))
+    clients = [raw_client(narrow) for _ in range(CLIENTS)]
+    await asyncio.gather(*(c.send(CHAT_PATH, body(i)) for i, c in enumerate(clients)))
     # One runs; the rest wait in the gateway's queue, since the backend has room for one
     # sequence (its capacity gate). None of those has sent a token.
     await wait_state(narrow, lambda s: s["running"] == 1, 30)
@@ -144,8 +123,8 @@ async def test_clients_leaving_before_the_first_token_free_every_block(
 
 async def test_a_client_leaving_during_a_whole_answer_aborts_it(sluice_up: SluiceUp) -> None:
     await wait_state(sluice_up, all_free, 30)
-    c = RawClient(sluice_up.url)
-    await c.send({**body(0), "stream": False})
+    c = raw_client(sluice_up)
+    await c.send(CHAT_PATH, {**body(0), "stream": False})
     await wait_state(sluice_up, lambda s: s["running"] == 1, 30)
     c.disconnect()
     await wait_state(sluice_up, all_free, 1.0)

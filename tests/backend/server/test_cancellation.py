@@ -32,19 +32,24 @@ def narrow(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 class RawClient:
-    def __init__(self, port: int) -> None:
+    """A raw socket, so that the moment of disconnect is the test's to choose."""
+
+    def __init__(self, port: int, headers: bytes = b"") -> None:
         self.port = port
+        self.headers = headers  # extra header lines, each ending in CRLF
         self.writer: asyncio.StreamWriter | None = None
 
     async def send(self, path: str, body: dict) -> asyncio.StreamReader:
         reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
         data = json.dumps(body).encode()
         self.writer.write(b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                          b"content-length: %d\r\n\r\n%s" % (path.encode(), len(data), data))
+                          b"%scontent-length: %d\r\n\r\n%s"
+                          % (path.encode(), self.headers, len(data), data))
         await self.writer.drain()
         return reader
 
     async def read_events(self, reader: asyncio.StreamReader, n: int) -> None:
+        """Until n events with content (the chat role chunk does not count)."""
         seen = 0
         while seen < n:
             line = await asyncio.wait_for(reader.readline(), 30)
