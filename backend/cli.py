@@ -52,7 +52,7 @@ def _add_server_flags(p: argparse.ArgumentParser, *, model_default: str | None) 
     p.add_argument("--access-log", action="store_true", help="log every request")
 
 
-def _run_backend(args: argparse.Namespace, *, announce: bool) -> int:
+def _backend(args: argparse.Namespace) -> int:
     import logging
 
     from backend.engine.async_engine import AsyncEngine
@@ -85,21 +85,8 @@ def _run_backend(args: argparse.Namespace, *, announce: bool) -> int:
         host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
         url = f"http://{host}:{args.port}"
         print(f"sluice backend ready: model {model} at {url}/v1", flush=True)
-        if announce:
-            print(_curl_line(url, model), flush=True)
 
     return serve(engine, settings, on_ready=ready)
-
-
-def _curl_line(url: str, model: str) -> str:
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}],
-                       "max_tokens": 32})
-    return ("try it:\n  curl -s " + url + "/v1/chat/completions "
-            "-H 'content-type: application/json' -d '" + body + "'")
-
-
-def _backend(args: argparse.Namespace) -> int:
-    return _run_backend(args, announce=False)
 
 
 def register(sub: Any) -> None:

@@ -313,9 +313,7 @@ class AdminApi:
 
 
 def _registry(request: Request) -> Registry:
-    registry = request.app.state.gateway.keyring
-    if not isinstance(registry, Registry):
-        raise ServiceUnavailable("the tenant registry is not running")
+    registry: Registry = request.app.state.gateway.registry
     return registry
 
 

@@ -214,7 +214,3 @@ class Admission:
                 log.warning("renewing %d of %d leases failed", failed, len(tickets))
             for hook in self.renew_hooks:
                 await hook()
-
-    def describe(self) -> dict[str, Any]:
-        return {"store": type(self.store).__name__, "live": len(self.live),
-                "store_errors": self.store_errors}

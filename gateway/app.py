@@ -1,14 +1,12 @@
 """The gateway's Starlette app: routes, lifespan, request ids, errors in OpenAI's shape.
 
 The ``Gateway`` (config, keys, upstreams, ledger, metrics) is built in the lifespan and kept
-on ``app.state.gateway``; a background task owned by the lifespan re-reads the upstreams'
-versions every ``refresh_interval_s``.
+on ``app.state.gateway``; ``Gateway.start`` and ``Gateway.aclose`` own its background tasks.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -28,7 +26,6 @@ from .client_io import clean_request_id, header
 from .config import GatewayConfig, TenantsFile
 from .errors import GatewayError, InternalError, MethodNotAllowed, NotFound
 from .metrics import CONTENT_TYPE
-from .registry import start_registry
 from .relay import ProxyEndpoint
 from .service import Gateway
 
@@ -101,7 +98,7 @@ def gateway_of(request: Request) -> Gateway:
 async def models(request: Request) -> Response:
     gw = gateway_of(request)
     try:
-        tenant = gw.keyring.authenticate(request.headers.get("authorization", "").encode()
+        tenant = gw.registry.authenticate(request.headers.get("authorization", "").encode()
                                          or None)
     except GatewayError as err:
         return error_response(err)
@@ -181,12 +178,6 @@ async def _unhandled(request: Request, exc: Exception) -> Response:
                                         f"request id {request.scope['state'].get('request_id')}"))
 
 
-async def _refresh_loop(gw: Gateway, interval: float) -> None:
-    while True:
-        await asyncio.sleep(interval)
-        await gw.refresh_all()
-
-
 def create_app(config: GatewayConfig, tenants: TenantsFile, *,
                transport: httpx.AsyncBaseTransport | None = None) -> FastLane:
     """The gateway app (``.state.gateway`` once started); ``transport`` replaces httpx's
@@ -195,18 +186,11 @@ def create_app(config: GatewayConfig, tenants: TenantsFile, *,
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         gw = Gateway(config, tenants, transport)
-        registry = await start_registry(gw, tenants)
-        await gw.refresh_all()
-        gw.admission.start()
+        await gw.start()
         app.state.gateway = gw
-        refresher = asyncio.ensure_future(_refresh_loop(gw, config.refresh_interval_s))
         try:
             yield
         finally:
-            refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await refresher
-            await registry.aclose()
             await gw.aclose()
 
     from starlette.datastructures import State

@@ -23,14 +23,13 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.responses: dict[tuple[str, str, str], int] = {}  # (route, tenant, status)
         self.inflight = 0
-        self.clamped: dict[str, int] = {}
 
     def observe_response(self, route: str, tenant: str, status: int) -> None:
         key = (route, tenant, str(status))
         self.responses[key] = self.responses.get(key, 0) + 1
 
     def render(self, ledger: UsageLedger, upstreams: Iterable[Upstream],
-               queues: dict[str, Any] | None = None, admission: Any = None) -> str:
+               queues: dict[str, Any], admission: Any) -> str:
         out: list[str] = [
             "# HELP sluice_gateway_responses_total Responses sent, by route, tenant and status.",
             "# TYPE sluice_gateway_responses_total counter",
@@ -58,36 +57,34 @@ class GatewayMetrics:
         for up in upstreams:
             out.append(f"sluice_gateway_upstream_ready{_labels(model=up.name)} "
                        f"{1 if up.ready else 0}")
-        if queues:
-            out += ["# HELP sluice_gateway_queue_length Requests waiting for upstream capacity.",
-                    "# TYPE sluice_gateway_queue_length gauge"]
-            out += [f"sluice_gateway_queue_length{_labels(model=n)} {q.size}"
-                    for n, q in sorted(queues.items())]
-            out += ["# HELP sluice_gateway_slots_held Upstream slots this replica holds.",
-                    "# TYPE sluice_gateway_slots_held gauge"]
-            out += [f"sluice_gateway_slots_held{_labels(model=n)} {len(q.held)}"
-                    for n, q in sorted(queues.items())]
-            out += ["# HELP sluice_gateway_dispatched_total Requests dispatched from the queue.",
-                    "# TYPE sluice_gateway_dispatched_total counter"]
-            for n, q in sorted(queues.items()):
-                for tenant, count in sorted(q.dispatched.items()):
-                    out.append(f"sluice_gateway_dispatched_total"
-                               f"{_labels(model=n, tenant=tenant)} {count}")
-        if admission is not None:
-            out += ["# HELP sluice_gateway_rejects_total Requests refused by a tenant limit.",
-                    "# TYPE sluice_gateway_rejects_total counter"]
-            for (tenant, limit), n in sorted(admission.rejects.items()):
-                out.append(f"sluice_gateway_rejects_total{_labels(tenant=tenant, limit=limit)}"
-                           f" {n}")
-            out += [("# HELP sluice_gateway_fail_open_total Requests admitted by the local share "
-                    "while the quota store was unreachable."),
-                    "# TYPE sluice_gateway_fail_open_total counter"]
-            for tenant, n in sorted(admission.fail_open.items()):
-                out.append(f"sluice_gateway_fail_open_total{_labels(tenant=tenant)} {n}")
-            out += ["# HELP sluice_gateway_store_errors_total Quota store calls that failed.",
-                    "# TYPE sluice_gateway_store_errors_total counter",
-                    f"sluice_gateway_store_errors_total {admission.store_errors}",
-                    "# HELP sluice_gateway_leases_live Quota leases held by this replica.",
-                    "# TYPE sluice_gateway_leases_live gauge",
-                    f"sluice_gateway_leases_live {len(admission.live)}"]
+        out += ["# HELP sluice_gateway_queue_length Requests waiting for upstream capacity.",
+                "# TYPE sluice_gateway_queue_length gauge"]
+        out += [f"sluice_gateway_queue_length{_labels(model=n)} {q.size}"
+                for n, q in sorted(queues.items())]
+        out += ["# HELP sluice_gateway_slots_held Upstream slots this replica holds.",
+                "# TYPE sluice_gateway_slots_held gauge"]
+        out += [f"sluice_gateway_slots_held{_labels(model=n)} {len(q.held)}"
+                for n, q in sorted(queues.items())]
+        out += ["# HELP sluice_gateway_dispatched_total Requests dispatched from the queue.",
+                "# TYPE sluice_gateway_dispatched_total counter"]
+        for n, q in sorted(queues.items()):
+            for tenant, count in sorted(q.dispatched.items()):
+                out.append(f"sluice_gateway_dispatched_total"
+                           f"{_labels(model=n, tenant=tenant)} {count}")
+        out += ["# HELP sluice_gateway_rejects_total Requests refused by a tenant limit.",
+                "# TYPE sluice_gateway_rejects_total counter"]
+        for (tenant, limit), n in sorted(admission.rejects.items()):
+            out.append(f"sluice_gateway_rejects_total{_labels(tenant=tenant, limit=limit)}"
+                       f" {n}")
+        out += [("# HELP sluice_gateway_fail_open_total Requests admitted by the local share "
+                "while the quota store was unreachable."),
+                "# TYPE sluice_gateway_fail_open_total counter"]
+        for tenant, n in sorted(admission.fail_open.items()):
+            out.append(f"sluice_gateway_fail_open_total{_labels(tenant=tenant)} {n}")
+        out += ["# HELP sluice_gateway_store_errors_total Quota store calls that failed.",
+                "# TYPE sluice_gateway_store_errors_total counter",
+                f"sluice_gateway_store_errors_total {admission.store_errors}",
+                "# HELP sluice_gateway_leases_live Quota leases held by this replica.",
+                "# TYPE sluice_gateway_leases_live gauge",
+                f"sluice_gateway_leases_live {len(admission.live)}"]
         return "\n".join(out) + "\n"

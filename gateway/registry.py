@@ -28,7 +28,6 @@ import logging
 import re
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from pydantic import ValidationError
 
@@ -197,10 +196,3 @@ class Registry:
             log.warning("tenant store unreachable (%s): serving the tenants and keys of "
                         "version %d", exc, self._view.version)
         self._down = True
-
-
-async def start_registry(gw: Any, tenants: TenantsFile) -> Registry:
-    """Start ``gw``'s registry (seed the store from the file, load, begin polling)."""
-    registry: Registry = gw.keyring
-    await registry.start()
-    return registry

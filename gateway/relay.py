@@ -83,7 +83,7 @@ class ProxyEndpoint:
 
     async def _serve(self, gw: Gateway, scope: Scope, receive: Any, reply: Reply) -> None:
         try:
-            tenant = gw.keyring.authenticate(header(scope, b"authorization"))
+            tenant = gw.registry.authenticate(header(scope, b"authorization"))
             reply.tenant = tenant.id
             limit = gw.config.max_body_bytes
             if tenant.caps.max_body_bytes is not None:
@@ -137,7 +137,6 @@ class Exchange:
         self.send = reply.send
         self.p: Prepared | None = None
         self.stamps: list[Stamp] = []
-        self.started = False  # response headers sent to the client
         self.accepted = False  # the upstream answered 200
         self.client_gone = False
         self.done = False  # [DONE] or a whole answer relayed
@@ -193,7 +192,7 @@ class Exchange:
                     else "upstream_error"
                 if isinstance(err, RevisionMismatch) or err.status < 500:
                     self.outcome = "refused"
-            if self.started:
+            if self.reply.started:
                 await self.send({"type": "http.response.body", "body": error_event(err),
                                  "more_body": False})
             else:
@@ -228,7 +227,8 @@ class Exchange:
         headers = [(b"content-type", b"application/json"),
                    (b"x-request-id", p.request_id.encode())]
         try:
-            async with asyncio.timeout_at(self._deadline_at(p)):
+            # asyncio's clock is time.monotonic, like Prepared.deadline
+            async with asyncio.timeout_at(p.deadline):
                 resp = await up.pool.post(path, dumps(p.body).encode(), headers)
         except TimeoutError:
             raise GatewayTimeout("the request's deadline passed before the model answered",
@@ -260,13 +260,6 @@ class Exchange:
             raise BadGateway(f"the model {up.name!r} broke off its answer") from None
         finally:
             resp.close()
-
-    @staticmethod
-    def _deadline_at(p: Prepared) -> float | None:
-        if p.deadline is None:
-            return None
-        # asyncio's clock is time.monotonic, like Prepared.deadline
-        return p.deadline
 
     async def _check_versions(self, p: Prepared, resp: Response) -> None:
         """The bundled backend names its versions on every answer; if they moved since the
@@ -303,7 +296,6 @@ class Exchange:
         headers = self._headers(p, b"text/event-stream; charset=utf-8")
         headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
         await self.reply.start(200, headers)
-        self.started = True
         send = self.send
         buf = b""
         async for raw in resp.body_chunks():
@@ -341,7 +333,6 @@ class Exchange:
         headers = self._headers(p, b"application/json")
         headers.append((b"content-length", str(len(body)).encode()))
         await self.reply.start(200, headers)
-        self.started = True
         await self.send({"type": "http.response.body", "body": body, "more_body": False})
         self.done = True
 

@@ -10,6 +10,7 @@ exact body the upstream will get.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
@@ -68,7 +69,7 @@ class Gateway:
     def __init__(self, config: GatewayConfig, tenants: TenantsFile,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.config = config
-        self.keyring = Registry(config, tenants)  # live: the admin API changes it
+        self.registry = Registry(config, tenants)  # live: the admin API changes it
         self.upstreams: dict[str, Upstream] = {
             m.name: Upstream(m, config, transport) for m in config.models}
         self.ledger = UsageLedger()
@@ -84,6 +85,7 @@ class Gateway:
             self.admission.renew_hooks.append(q.renew_all)
         self.created = int(time.time())
         self._refreshing: dict[str, asyncio.Task[None]] = {}
+        self._refresher: asyncio.Task[None] | None = None
 
     # ---- upstream versions ----------------------------------------------------------------
     async def refresh_all(self) -> None:
@@ -102,7 +104,24 @@ class Gateway:
         # shield: a cancelled request must not cancel the refresh the others wait for
         await asyncio.shield(task)
 
+    async def start(self) -> None:
+        """Load tenants, read the upstreams' versions, start the background tasks."""
+        await self.registry.start()
+        await self.refresh_all()
+        self.admission.start()
+        self._refresher = asyncio.ensure_future(self._refresh_loop())
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.refresh_interval_s)
+            await self.refresh_all()
+
     async def aclose(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
+        await self.registry.aclose()
         for q in self.queues.values():
             await q.aclose()
         await self.admission.aclose()

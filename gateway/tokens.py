@@ -54,6 +54,24 @@ def _token_ids(prompt: Any) -> list[int] | None:
     return None
 
 
+def _text_size(payload: Any) -> int:
+    """About how much text there is to tokenize, without serializing it (hot path)."""
+    if isinstance(payload, str):
+        return len(payload)
+    if not isinstance(payload, list):
+        return 0
+    n = 0
+    for item in payload:
+        if isinstance(item, str):
+            n += len(item)
+        elif isinstance(item, dict):
+            content = item.get("content")
+            n += len(content) if isinstance(content, str) else len(str(content))
+        else:
+            n += 8  # a token id, or a list of them
+    return n
+
+
 class _Lru:
     def __init__(self, size: int = _CACHE_SIZE) -> None:
         self._data: OrderedDict[bytes, int] = OrderedDict()
@@ -126,8 +144,7 @@ class LocalCounter:
                              "messages" if kind == "chat" else "prompt") from None
 
     async def count(self, kind: str, payload: Any, tools: Any = None) -> int:
-        if kind == "chat" and isinstance(payload, list) and len(payload) > 64 or \
-                len(str(payload)) > _OFFLOAD_BYTES:
+        if _text_size(payload) > _OFFLOAD_BYTES:
             return await asyncio.to_thread(self._count, kind, payload, tools)
         return self._count(kind, payload, tools)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
 
 import httpx
 
@@ -163,12 +162,6 @@ class Upstream:
         if resp.status_code != 200:
             return False, f"{path} answered {resp.status_code}"
         return True, "ok"
-
-    def describe(self) -> dict[str, Any]:
-        v = self.versions
-        return {"upstream": self.entry.upstream, "kind": self.entry.kind,
-                "ready": self.ready, "last_error": self.last_error,
-                "revision": v.revision if v else None}
 
     async def aclose(self) -> None:
         self.pool.close()

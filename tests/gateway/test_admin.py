@@ -129,7 +129,7 @@ def test_tenant_and_key_lifecycle(gw: ThreadedGateway) -> None:
     assert patched["quotas"]["requests_per_minute"] is None  # null: back to unlimited
     assert patched["priority"] == {"min": 1, "max": 8, "default": 3}  # merged, not replaced
     assert patched["name"] == "Acme" and admin("GET", "/acme").json() == patched
-    assert gw.gateway.keyring.tenants["acme"].quotas.tokens_per_day == 5000
+    assert gw.gateway.registry.tenants["acme"].quotas.tokens_per_day == 5000
 
     r = admin("POST", "/acme/keys", {"role": "user"})
     assert r.status_code == 201 and r.headers["cache-control"] == "no-store"
@@ -150,7 +150,7 @@ def test_tenant_and_key_lifecycle(gw: ThreadedGateway) -> None:
                                                "deleted": True}
     assert chat(gw, again["key"]) == 401  # its keys went with it
     error(admin("GET", "/acme"), 404, "tenant")
-    assert "acme" not in gw.gateway.keyring.tenants
+    assert "acme" not in gw.gateway.registry.tenants
 
 
 def test_usage_is_the_quota_stores(gw: ThreadedGateway) -> None:
@@ -241,7 +241,7 @@ def test_a_tenant_admin_manages_its_own_tenant_only(gw: ThreadedGateway) -> None
 
 def test_plaintext_keys_are_never_stored_in_memory(gw: ThreadedGateway) -> None:
     out = Admin(gw)("POST", "/one/keys", {"role": "tenant_admin"}).json()
-    kept = repr(vars(gw.gateway.keyring.store))  # MemoryTenantStore: every record it holds
+    kept = repr(vars(gw.gateway.registry.store))  # MemoryTenantStore: every record it holds
     assert out["key"] not in kept and hash_key(out["key"]) in kept
 
 
@@ -297,12 +297,12 @@ def test_changes_reach_the_other_replica_within_a_second(
 
         assert op_a("DELETE", "/acme").status_code == 200
         within(PROPAGATION_S, lambda: Admin(b, ta)("GET", "/acme").status_code == 401)
-        within(PROPAGATION_S, lambda: "acme" not in b.gateway.keyring.tenants)
+        within(PROPAGATION_S, lambda: "acme" not in b.gateway.registry.tenants)
 
 
 def test_the_file_seeds_the_store_and_the_api_wins_afterwards(shared: GatewayConfig) -> None:
     with replica(shared) as a:
-        assert isinstance(a.gateway.keyring, Registry)
+        assert isinstance(a.gateway.registry, Registry)
         op = Admin(a)
         assert op("PATCH", "/one", {"name": "changed by the API"}).status_code == 200
         assert op("POST", "", {"id": "gone"}).status_code == 201
