@@ -7,7 +7,6 @@ building the `sluice` parser stays cheap.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
@@ -60,9 +59,15 @@ def _backend(args: argparse.Namespace) -> int:
     from backend.engine.errors import EngineError
     from backend.server.app import ServerSettings
     from backend.server.serve import serve
+    from telemetry import Telemetry, TelemetryError
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:  # before the model loads: a bad OTEL_* setting fails fast
+        telemetry = Telemetry.create("sluice-backend", scope="sluice.backend")
+    except TelemetryError as exc:
+        print(f"sluice backend: cannot start: {exc}", file=sys.stderr)
+        return 2
     try:
         config = EngineConfig(
             model=args.model, device=args.device, dtype=args.dtype,
@@ -73,6 +78,7 @@ def _backend(args: argparse.Namespace) -> int:
             num_threads=args.threads)
         engine = AsyncEngine.from_config(config)
     except (EngineError, OSError) as exc:
+        telemetry.shutdown()
         print(f"sluice backend: cannot start: {exc}", file=sys.stderr)
         return 2
     settings = ServerSettings(host=args.host, port=args.port, max_body_bytes=args.max_body_bytes,
@@ -86,7 +92,7 @@ def _backend(args: argparse.Namespace) -> int:
         url = f"http://{host}:{args.port}"
         print(f"sluice backend ready: model {model} at {url}/v1", flush=True)
 
-    return serve(engine, settings, on_ready=ready)
+    return serve(engine, settings, on_ready=ready, telemetry=telemetry)
 
 
 def register(sub: Any) -> None:

@@ -109,6 +109,7 @@ class Admission:
         self.live: dict[str, Ticket] = {}
         self.fail_open: dict[str, int] = {}  # tenant -> requests admitted by the local share
         self.store_errors = 0
+        self.store_up = True  # the last quota-store call worked (a gauge for operators)
         self.rejects: dict[tuple[str, str], int] = {}  # (tenant, limit) -> count
         self._settling: set[asyncio.Task[None]] = set()
         self._renewer: asyncio.Task[None] | None = None
@@ -138,6 +139,7 @@ class Admission:
                                            self.lease_ttl_s)
         except StoreUnavailable as exc:
             self.store_errors += 1
+            self.store_up = False
             if tenant.fail_mode != "open":
                 self._log_store_down(exc, tenant, "refusing (fail_mode closed)")
                 raise ServiceUnavailable("admission is unavailable right now (quota store "
@@ -154,6 +156,8 @@ class Admission:
         except StoreError as exc:  # a duplicate request id: a bug or a replayed id
             raise ServiceUnavailable(f"admission refused the request: {exc}",
                                      retry_after_s=STORE_RETRY_AFTER_S) from None
+        if not local:
+            self.store_up = True
         if not decision.granted:
             raise self._denial(tenant, decision, tokens)
         ticket = Ticket(tenant.id, request_id, tokens, store, decision, local)

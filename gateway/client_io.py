@@ -12,6 +12,7 @@ from typing import Any
 from .errors import BadRequest, GatewayError, PayloadTooLarge
 from .sse import DONE, dumps
 from .stamp import Stamp
+from .tracing import NO_TRACE, NoTrace
 
 Scope = dict[str, Any]
 MAX_REQUEST_ID_LEN = 128
@@ -89,20 +90,31 @@ def clean_request_id(raw: bytes | None) -> str | None:
 class Reply:
     """The client's side of the exchange (see the module docstring)."""
 
-    __slots__ = ("metrics", "request_id", "route", "send", "started", "tenant")
+    __slots__ = ("error", "metrics", "request_id", "route", "send", "started", "status", "tenant",
+                 "trace")
 
-    def __init__(self, send: Any, request_id: str, route: str, metrics: Any) -> None:
+    def __init__(self, send: Any, request_id: str, route: str, metrics: Any,
+                 trace: NoTrace = NO_TRACE) -> None:
         self.send = send
         self.request_id = request_id
         self.route = route
         self.metrics = metrics
+        self.trace = trace
         self.tenant = "-"
         self.started = False
+        self.status = 0
+        self.error: GatewayError | None = None  # what the client was told went wrong
+
+    def failed(self, err: GatewayError) -> None:
+        """Record the error the client gets (as a response or an in-stream event)."""
+        self.error = err
+        self.trace.error(err)
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         headers.append((b"x-request-id", self.request_id.encode()))
         self.metrics.observe_response(self.route, self.tenant, status)
         self.started = True
+        self.status = status
         await self.send({"type": "http.response.start", "status": status, "headers": headers})
 
 
@@ -111,6 +123,7 @@ async def send_error(reply: Reply, err: GatewayError, stamp: Stamp | None) -> No
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode())]
     headers += stamp_headers(stamp) + err.headers()
+    reply.failed(err)
     await reply.start(err.status, headers)
     await reply.send({"type": "http.response.body", "body": body, "more_body": False})
 

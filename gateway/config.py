@@ -19,6 +19,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from telemetry.config import TelemetryConfig
+
 from .errors import ConfigError
 
 ENV_PREFIX = "SLUICE_"
@@ -181,6 +183,7 @@ class GatewayConfig(_Strict):
     refresh_interval_s: float = Field(10.0, gt=0)
     timeouts: Timeouts = Timeouts()
     shutdown_timeout_s: float = Field(30.0, ge=0)
+    telemetry: TelemetryConfig = TelemetryConfig()  # the OTEL_* environment wins over it
 
     @model_validator(mode="after")
     def _unique_names(self) -> GatewayConfig:

@@ -96,6 +96,7 @@ class DispatchQueue:
         self.vtime: dict[str, float] = {}
         self.dispatched: dict[str, int] = {}
         self.held: dict[str, CapacityGate] = {}  # slots this replica holds, and where
+        self._held_tokens: dict[str, int] = {}  # … and the worst-case tokens of each
         self._drained: collections.deque[tuple[float, int]] = collections.deque()
         self._wake = asyncio.Event()
         self._pump: asyncio.Task[None] | None = None
@@ -181,6 +182,11 @@ class DispatchQueue:
         self._releasing.add(task)
         task.add_done_callback(self._releasing.discard)
 
+    @property
+    def held_tokens(self) -> int:
+        """Worst-case tokens of the requests this replica has in flight upstream."""
+        return sum(self._held_tokens.values())
+
     def predicted_wait(self, priority: int, tokens: int) -> float | None:
         rate = self.drain_rate()
         if rate is None:
@@ -220,6 +226,7 @@ class DispatchQueue:
         if cap_tokens is None and cap_seqs is None:
             # An upstream of unknown capacity has no gate: no store round trip to make.
             self.held[request_id] = UNGATED
+            self._held_tokens[request_id] = tokens
             if self._first_slot is None:
                 self._first_slot = self.clock()
             return True
@@ -238,12 +245,14 @@ class DispatchQueue:
                                     _share(cap_seqs, self.replicas), self.slot_ttl_s)
         if ok:
             self.held[request_id] = gate
+            self._held_tokens[request_id] = tokens
             if self._first_slot is None:
                 self._first_slot = self.clock()
         return ok
 
     async def _give_back(self, request_id: str, tokens: int) -> None:
         gate = self.held.pop(request_id, None)
+        self._held_tokens.pop(request_id, None)
         if gate is None:
             return
         self._drained.append((self.clock(), tokens))

@@ -16,8 +16,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from typing import Any
+
+from telemetry import priority_class
 
 from .admission import Ticket
 from .client_io import (
@@ -42,10 +45,22 @@ from .errors import (
     ServiceUnavailable,
 )
 from .http_client import ConnectFailed, ProtocolFailed, ReadTimeout, Response
+from .metrics import RequestTimes
 from .service import Gateway, Prepared
 from .sse import ChunkRewriter, dumps
 from .stamp import Stamp
 from .tenants import Tenant
+from .tracing import (
+    AUTH,
+    NO_TRACE,
+    QUEUE,
+    RELAY,
+    RESERVE,
+    SETTLE,
+    UPSTREAM,
+    RequestTrace,
+    reject_reason,
+)
 from .upstream import RESOLVED_HEADER, UpstreamError
 from .usage import Settlement
 
@@ -71,20 +86,38 @@ class ProxyEndpoint:
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         gw: Gateway = self.app_state.gateway
+        times = RequestTimes(time.monotonic())
         request_id = clean_request_id(header(scope, b"x-request-id")) or uuid.uuid4().hex
-        reply = Reply(send, request_id, self.route, gw.metrics)
+        trace = RequestTrace(gw.tracer, self.route, request_id, header(scope, b"traceparent"),
+                             header(scope, b"tracestate")) if gw.telemetry.tracing else NO_TRACE
+        reply = Reply(send, request_id, self.route, gw.metrics, trace)
+        exchange: Exchange | None = None
         try:
-            await self._serve(gw, scope, receive, reply)
+            exchange = await self._serve(gw, scope, receive, reply, times)
         except Exception as exc:
             log.exception("unhandled error (request id %s)", request_id, exc_info=exc)
             if not reply.started:
                 await send_error(reply, InternalError(
                     f"internal error ({type(exc).__name__}); request id {request_id}"), None)
+        finally:
+            outcome = _outcome(reply, exchange)
+            _observe(gw, reply, exchange, times, outcome)
+            trace.finish(reply.status or 499, outcome)
 
-    async def _serve(self, gw: Gateway, scope: Scope, receive: Any, reply: Reply) -> None:
+    async def _serve(self, gw: Gateway, scope: Scope, receive: Any, reply: Reply,
+                     times: RequestTimes) -> Exchange | None:
+        trace = reply.trace
+        span = trace.start(AUTH)
         try:
             tenant = gw.registry.authenticate(header(scope, b"authorization"))
-            reply.tenant = tenant.id
+        except GatewayError as err:
+            trace.end(span, **{"error.type": err.code or "auth"})
+            await send_error(reply, err, None)
+            return None
+        trace.end(span, **{"sluice.tenant.id": tenant.id})
+        trace.set(tenant=tenant.id)
+        reply.tenant = tenant.id
+        try:
             limit = gw.config.max_body_bytes
             if tenant.caps.max_body_bytes is not None:
                 limit = min(limit, tenant.caps.max_body_bytes)
@@ -92,11 +125,11 @@ class ProxyEndpoint:
             deadline_ms = deadline_header(scope)
         except GatewayError as err:
             await send_error(reply, err, None)
-            return
+            return None
         except ClientGone:
-            return
+            return None
         gw.metrics.inflight += 1
-        exchange = Exchange(gw, self.kind, tenant, reply)
+        exchange = Exchange(gw, self.kind, tenant, reply, times)
         work = asyncio.ensure_future(exchange.run(body, deadline_ms))
         watcher = asyncio.ensure_future(_wait_disconnect(receive))
         try:
@@ -113,6 +146,7 @@ class ProxyEndpoint:
                 work.cancel()
                 await asyncio.gather(work, return_exceptions=True)
             gw.metrics.inflight -= 1
+        return exchange
 
 
 async def _wait_disconnect(receive: Any) -> None:
@@ -125,8 +159,11 @@ async def _wait_disconnect(receive: Any) -> None:
 class Exchange:
     """One generation request from preparation to settlement."""
 
-    def __init__(self, gw: Gateway, kind: str, tenant: Tenant, reply: Reply) -> None:
+    def __init__(self, gw: Gateway, kind: str, tenant: Tenant, reply: Reply,
+                 times: RequestTimes) -> None:
         self.gw = gw
+        self.times = times
+        self.trace = reply.trace
         self.kind = kind
         self.tenant = tenant
         self.request_id = reply.request_id
@@ -146,29 +183,44 @@ class Exchange:
         self.ticket: Ticket | None = None  # the granted reservation
         self.has_slot = False  # holds a slot of the upstream's capacity gate
         self.queue_ms = 0
+        self.upstream_status = 0
+        self.queued_s: float | None = None  # time in the gateway's queue, once dispatched
+        self.finish_reason: str | None = None  # of a whole answer
+        self.prompt_tokens = 0  # as settled
+        self.completion_tokens = 0
 
     async def run(self, body: dict[str, Any], header_deadline_ms: int | None) -> None:
         try:
             self.p = await self.gw.prepare(self.kind, body, self.tenant,  # type: ignore[arg-type]
                                            self.request_id, header_deadline_ms, self.stamps)
         except GatewayError as err:
+            if self.stamps:
+                self.trace.stamp(self.stamps[0])
             await send_error(self.reply, err, self.stamps[0] if self.stamps else None)
             return
+        trace = self.trace
+        if trace.recording:
+            self._describe(self.p)
         queue = self.gw.queues[self.p.upstream.name]
         fail_open = self.tenant.fail_mode == "open"
         # With nobody waiting, ask the capacity gate for a slot while the quota store
         # reserves: one round trip before dispatch instead of two. Given back if refused.
         early = queue.try_early(self.attempt_id, self.p.worst_case, fail_open)
+        span = trace.start(RESERVE, {"sluice.reserved_tokens": self.p.worst_case})
         try:
             self.ticket = await self._reserve(self.p)
         except GatewayError as err:
+            trace.end(span, **{"sluice.granted": False, "error.type": reject_reason(err)})
             queue.drop_early(self.attempt_id, early)
             await send_error(self.reply, err, self.p.stamp)
             return
         except BaseException:
+            trace.end(span, **{"sluice.granted": False})
             queue.drop_early(self.attempt_id, early)
             raise
+        trace.end(span, **{"sluice.granted": True, "sluice.fail_open": self.ticket.local})
         try:
+            span = trace.start(QUEUE, {"sluice.queue.length": queue.size})
             try:
                 if early is not None and await queue.took_early(early):
                     waited = 0.0
@@ -177,13 +229,18 @@ class Exchange:
                         self.attempt_id, self.tenant.id, self.tenant.weight,
                         self.p.priority, self.p.worst_case, self.p.deadline,
                         self.tenant.max_queued, fail_open=fail_open)
-            except GatewayError:
+            except GatewayError as err:
+                trace.end(span, **{"error.type": reject_reason(err)})
                 self.outcome = "shed"
                 raise
             except BaseException:
+                trace.end(span)
                 queue.drop_early(self.attempt_id, early)
                 raise
             self.queue_ms = int(waited * 1000)
+            self.queued_s = waited
+            trace.end(span, **{"sluice.queue_ms": self.queue_ms})
+            trace.set(queue_ms=self.queue_ms)
             self.has_slot = True
             await self._call_upstream(self.p)
         except GatewayError as err:
@@ -193,6 +250,7 @@ class Exchange:
                 if isinstance(err, RevisionMismatch) or err.status < 500:
                     self.outcome = "refused"
             if self.reply.started:
+                self.reply.failed(err)
                 await self.send({"type": "http.response.body", "body": error_event(err),
                                  "more_body": False})
             else:
@@ -203,7 +261,18 @@ class Exchange:
         finally:
             if self.has_slot:
                 queue.release(self.attempt_id, self.p.worst_case)
+            span = trace.start(SETTLE)
             self._settle(self.p)
+            trace.end(span, **{"gen_ai.usage.input_tokens": self.prompt_tokens,
+                               "gen_ai.usage.output_tokens": self.completion_tokens})
+
+    def _describe(self, p: Prepared) -> None:
+        """The request's attributes on its root span (GenAI names where they exist)."""
+        body = p.body
+        self.trace.set(priority=p.priority, model=p.upstream.name + (f"@{p.pin}" if p.pin else ""),
+                       max_tokens=p.max_tokens, temperature=body.get("temperature"),
+                       top_p=body.get("top_p"), stream=p.stream, worst_case=p.worst_case)
+        self.trace.stamp(p.stamp)
 
     async def _reserve(self, p: Prepared) -> Ticket:
         """Reserve the worst case. The store call is shielded: a client leaving mid-call
@@ -224,8 +293,20 @@ class Exchange:
     async def _call_upstream(self, p: Prepared) -> None:
         up = p.upstream
         path = "/v1/chat/completions" if p.kind == "chat" else "/v1/completions"
+        trace = self.trace
+        span = trace.start(UPSTREAM, {"server.address": up.name, "url.path": path})
         headers = [(b"content-type", b"application/json"),
-                   (b"x-request-id", p.request_id.encode())]
+                   (b"x-request-id", p.request_id.encode())] + trace.upstream_headers(span)
+        if up.entry.kind == "sluice":  # our own backend labels its metrics and spans by it
+            headers.append((b"x-sluice-tenant", self.tenant.id.encode()))
+        try:
+            await self._exchange_upstream(p, path, headers)
+        finally:
+            trace.end(span, **{"http.response.status_code": self.upstream_status})
+
+    async def _exchange_upstream(self, p: Prepared, path: str,
+                                 headers: list[tuple[bytes, bytes]]) -> None:
+        up = p.upstream
         try:
             # asyncio's clock is time.monotonic, like Prepared.deadline
             async with asyncio.timeout_at(p.deadline):
@@ -243,6 +324,7 @@ class Exchange:
         except ProtocolFailed as exc:
             log.warning("model %s: upstream failed: %s", up.name, exc)
             raise BadGateway(f"the model {up.name!r} failed to answer") from None
+        self.upstream_status = resp.status
         try:
             if resp.status != 200:
                 raise await _upstream_error(resp, up.name)
@@ -295,8 +377,20 @@ class Exchange:
                                                  p.client_usage, p.client_continuous)
         headers = self._headers(p, b"text/event-stream; charset=utf-8")
         headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
-        await self.reply.start(200, headers)
+        trace = self.trace
+        span = trace.start(RELAY)
+        try:
+            await self.reply.start(200, headers)
+            await self._relay_events(p, resp, rewriter)
+        finally:
+            trace.end(span, **{"sluice.chunks": rewriter.chunks})
+
+    async def _relay_events(self, p: Prepared, resp: Response, rewriter: ChunkRewriter) -> None:
         send = self.send
+        times = self.times
+        times.itl = self.gw.metrics.itl.child(self.tenant.id, p.upstream.name,
+                                              priority_class(p.priority))
+        clock = time.monotonic
         buf = b""
         async for raw in resp.body_chunks():
             buf = buf + raw if buf else raw
@@ -307,10 +401,15 @@ class Exchange:
                 continue
             events = buf[:end].split(b"\n\n")
             buf = buf[end + 2:]
+            seen = rewriter.chunks
             out = [chunk for e in events if (chunk := rewriter.rewrite(e)) is not None]
             if out:
                 await send({"type": "http.response.body", "body": b"".join(out),
                             "more_body": True})
+                if rewriter.chunks > seen:
+                    now = clock()
+                    if times.chunks(rewriter.chunks - seen, now):
+                        self.trace.first_token(now - times.received)
         if rewriter.error:
             self.outcome = "upstream_error"
         if not rewriter.done:
@@ -327,13 +426,20 @@ class Exchange:
             raise BadGateway(f"the model {p.upstream.name!r} sent a broken answer") from None
         if isinstance(usage, dict):
             self.usage = usage
+        choices = obj.get("choices")
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            self.finish_reason = choices[0].get("finish_reason")
         obj["model"] = p.stamp.model
         obj["system_fingerprint"] = p.stamp.fingerprint()
         body = dumps(obj).encode()
         headers = self._headers(p, b"application/json")
         headers.append((b"content-length", str(len(body)).encode()))
-        await self.reply.start(200, headers)
-        await self.send({"type": "http.response.body", "body": body, "more_body": False})
+        span = self.trace.start(RELAY)
+        try:
+            await self.reply.start(200, headers)
+            await self.send({"type": "http.response.body", "body": body, "more_body": False})
+        finally:
+            self.trace.end(span)
         self.done = True
 
     # ---- settlement -----------------------------------------------------------------------
@@ -353,12 +459,78 @@ class Exchange:
             exact = bool(usage) and (p.prompt_exact or "prompt_tokens" in usage)
         if self.client_gone and not self.done:
             self.outcome = "cancelled"
+        self.prompt_tokens, self.completion_tokens = prompt, completion
+        if self.trace.recording:
+            details = usage.get("prompt_tokens_details")
+            cached = details.get("cached_tokens") if isinstance(details, dict) else None
+            reason = self.rewriter.finish_reason if self.rewriter is not None \
+                else self.finish_reason
+            self.trace.set(input_tokens=prompt, output_tokens=completion,
+                           cached_tokens=cached if isinstance(cached, int) else None,
+                           finish_reason=[reason] if isinstance(reason, str) else None)
         if self.ticket is not None:
             self.gw.admission.settle(self.ticket, prompt + completion)
         self.gw.ledger.settle(Settlement(
             request_id=self.attempt_id, tenant=self.tenant.id, model=p.upstream.name,
             prompt_tokens=prompt, completion_tokens=completion, outcome=self.outcome,
             exact=exact))
+
+
+_REJECTED_503 = frozenset({"overloaded", "store_unavailable", "deadline_unreachable"})
+
+
+def _outcome(reply: Reply, exchange: Exchange | None) -> str:
+    """success | cancelled | rejected_429 | rejected_503 | deadline | upstream_error |
+    invalid (another 4xx) | error (the gateway's own 500)."""
+    if exchange is not None:
+        if exchange.outcome == "cancelled" or (exchange.client_gone and not exchange.done):
+            return "cancelled"
+        if exchange.done and exchange.outcome == "ok" and reply.error is None:
+            return "success"
+    err = reply.error
+    status = err.status if err is not None else reply.status
+    code = err.code if err is not None else None
+    if status == 429:
+        return "rejected_429"
+    if status == 503 and code in _REJECTED_503:
+        return "rejected_503"
+    if code == "deadline_exceeded":
+        return "deadline"
+    if status == 500 and isinstance(err, InternalError):
+        return "error"
+    if exchange is not None and exchange.accepted or status >= 500:
+        return "upstream_error"
+    if status == 0:
+        return "cancelled"  # the client left before anything was sent
+    return "invalid"
+
+
+def _observe(gw: Gateway, reply: Reply, exchange: Exchange | None, times: RequestTimes,
+             outcome: str) -> None:
+    """The request's metrics, once it has ended however it ended."""
+    m = gw.metrics
+    p = exchange.p if exchange is not None else None
+    model = p.upstream.name if p is not None else "-"
+    m.requests.inc(reply.tenant, model, outcome)
+    if outcome in ("rejected_429", "rejected_503", "deadline") and reply.error is not None:
+        m.rejected.inc(reply.tenant, reject_reason(reply.error))
+    if exchange is None or p is None:
+        return
+    labels = (reply.tenant, model, priority_class(p.priority))
+    if exchange.queued_s is not None:
+        m.queue_time.observe(exchange.queued_s, *labels)
+    if exchange.accepted:
+        m.input_tokens.inc(reply.tenant, model, by=exchange.prompt_tokens)
+        m.output_tokens.inc(reply.tenant, model, by=exchange.completion_tokens)
+    if times.first is not None:
+        m.ttft.observe(times.first - times.received, *labels)
+    if outcome != "success":
+        return
+    m.e2e.observe(time.monotonic() - times.received, *labels)
+    n = exchange.completion_tokens
+    if times.first is not None and times.last is not None and n >= 2:
+        # TPOT per the capacity lesson: (t_last - t_first) / (N_out - 1)
+        m.tpot.observe((times.last - times.first) / (n - 1), *labels)
 
 
 def _int(value: Any, default: int) -> int:

@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from opentelemetry import trace
+
+from telemetry import Telemetry
 
 from .admission import Admission
 from .config import GatewayConfig, TenantsFile
@@ -67,13 +70,18 @@ class Prepared:
 
 class Gateway:
     def __init__(self, config: GatewayConfig, tenants: TenantsFile,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None,
+                 telemetry: Telemetry | None = None) -> None:
         self.config = config
         self.registry = Registry(config, tenants)  # live: the admin API changes it
         self.upstreams: dict[str, Upstream] = {
             m.name: Upstream(m, config, transport) for m in config.models}
         self.ledger = UsageLedger()
-        self.metrics = GatewayMetrics()
+        # Telemetry first: the metrics live in its registry (Prometheus and OTLP read it).
+        self.telemetry = telemetry or Telemetry.create("sluice-gateway", config.telemetry,
+                                                       scope="sluice.gateway")
+        self.tracer: trace.Tracer = self.telemetry.tracer
+        self.metrics = GatewayMetrics(self.telemetry.registry)
         self.admission = Admission(config)
         self.queues: dict[str, DispatchQueue] = {}
         for up in self.upstreams.values():
@@ -83,6 +91,7 @@ class Gateway:
                               replicas=config.store.replicas)
             self.queues[up.name] = q
             self.admission.renew_hooks.append(q.renew_all)
+        self.metrics.bind(self.ledger, self.upstreams, self.queues, self.admission)
         self.created = int(time.time())
         self._refreshing: dict[str, asyncio.Task[None]] = {}
         self._refresher: asyncio.Task[None] | None = None
@@ -130,6 +139,8 @@ class Gateway:
         await asyncio.gather(*self._refreshing.values(), return_exceptions=True)
         for up in self.upstreams.values():
             await up.aclose()
+        # flushes queued spans and pushes the last metrics (blocking I/O: off the loop)
+        await asyncio.to_thread(self.telemetry.shutdown)
 
     # ---- resolution -----------------------------------------------------------------------
     def resolve_model(self, tenant: Tenant, model: str) -> tuple[Upstream, str | None]:

@@ -24,6 +24,7 @@ DONE = b"data: [DONE]\n\n"
 dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 # A usage object: numbers and at most one level of nested objects (…_tokens_details).
 _USAGE_OBJECT = re.compile(rb"\{(?:[^{}]|\{[^{}]*\})*\}")
+_FINISH = re.compile(rb'"finish_reason"\s*:\s*"([A-Za-z_]{1,32})"')
 
 
 def _encodings(value: str) -> list[bytes]:
@@ -43,8 +44,19 @@ def _find_member(data: bytes, key: str, value: str) -> tuple[bytes, bytes] | Non
 
 
 class ChunkRewriter:
-    __slots__ = ("_fast", "_last_usage", "chunks", "client_continuous", "client_usage",
-                 "done", "error", "fingerprint", "model", "usage_seen")
+    __slots__ = (
+        "_fast",
+        "_last_usage",
+        "chunks",
+        "client_continuous",
+        "client_usage",
+        "done",
+        "error",
+        "fingerprint",
+        "finish_reason",
+        "model",
+        "usage_seen",
+    )
 
     def __init__(self, model: str, fingerprint: str, client_usage: bool,
                  client_continuous: bool) -> None:
@@ -56,6 +68,7 @@ class ChunkRewriter:
         self.done = False  # [DONE] seen
         self.error = False  # an error event seen
         self.usage_seen = False
+        self.finish_reason: str | None = None  # the first choice's, once the upstream says
         self._last_usage: Any = None  # a dict, or the raw bytes of the fast path
         # (model pattern, its replacement, fp pattern, its replacement, usage key, choices=[])
         self._fast: tuple[bytes, bytes, bytes, bytes, bytes, bytes] | None = None
@@ -106,6 +119,9 @@ class ChunkRewriter:
         choices = obj.get("choices")
         if choices:
             self.chunks += 1
+            first = choices[0] if isinstance(choices, list) else None
+            if isinstance(first, dict) and isinstance(first.get("finish_reason"), str):
+                self.finish_reason = first["finish_reason"]
         obj["model"] = self.model
         obj["system_fingerprint"] = self.fingerprint
         if not choices and usage is not None:  # the usage chunk
@@ -161,6 +177,11 @@ class ChunkRewriter:
             self.usage_seen = True
         if not usage_chunk:
             self.chunks += 1
+            at = data.find(b'"finish_reason"')
+            if at >= 0:
+                m = _FINISH.match(data, at)
+                if m is not None:
+                    self.finish_reason = m.group(1).decode()
         if model_pat != model_rep:
             data = data.replace(model_pat, model_rep)
         data = data.replace(fp_pat, fp_rep)

@@ -149,8 +149,8 @@ async def _bench(args: argparse.Namespace, plan: Plan, workdir: Path,
     else:
         gw = procs.start_gateway(workdir, up.port, redis.url if redis else None)
         stack.callback(gw.stop)
-        report["gateway_config"] = (workdir / "gateway.yaml").read_text()
-        report["tenants_config"] = (workdir / "tenants.yaml").read_text()
+        report["gateway_config"] = (workdir / "gateway" / "gateway.yaml").read_text()
+        report["tenants_config"] = (workdir / "gateway" / "tenants.yaml").read_text()
         if redis:
             redis.gateway_port = gw.port
         gateways.append(Target("sluice", Pool("127.0.0.1", gw.port,

@@ -99,8 +99,9 @@ def _spawn(name: str, argv: list[str], port: int, workdir: Path,
 
 
 def wait_ready(service: Service, path: str, timeout: float,
-               headers: dict[str, str] | None = None) -> None:
-    """Poll GET `path` until 200; a dead process or the deadline raises TargetError."""
+               headers: dict[str, str] | None = None, ok: tuple[int, ...] = (200,)) -> None:
+    """Poll GET `path` until a status in `ok`; a dead process or the deadline raises
+    TargetError."""
     deadline = time.monotonic() + timeout
     url = f"http://127.0.0.1:{service.port}{path}"
     with httpx.Client(timeout=2.0) as client:
@@ -109,7 +110,7 @@ def wait_ready(service: Service, path: str, timeout: float,
                 raise TargetError(f"{service.name} exited with {service.proc.returncode}:\n"
                                   f"{service.log_tail()}")
             try:
-                if client.get(url, headers=headers).status_code == 200:
+                if client.get(url, headers=headers).status_code in ok:
                     return
             except httpx.HTTPError:
                 pass
@@ -228,12 +229,18 @@ def gateway_env_unset(environ: dict[str, str] | os._Environ[str]) -> tuple[str, 
     return tuple(k for k in environ if k.startswith("SLUICE_"))
 
 
-def start_gateway(workdir: Path, up_port: int, redis_url: str | None = None) -> Service:
+def start_gateway(workdir: Path, up_port: int, redis_url: str | None = None,
+                  name: str = "gateway", env: dict[str, str] | None = None) -> Service:
+    """`sluice gateway` on its own config; ``env`` adds variables (OTEL_* for tracing)."""
     port = free_port()
+    workdir = workdir / name
+    workdir.mkdir(exist_ok=True)
     config = write_gateway_config(workdir, port, up_port, redis_url)
-    service = _spawn("gateway", [sys.executable, "-m", "sluice.cli", "gateway", "--config",
-                                 str(config), "--log-level", "warning"], port, workdir,
-                     unset=gateway_env_unset(os.environ))
+    unset = gateway_env_unset(os.environ) + tuple(
+        k for k in os.environ if k.startswith("OTEL_") and k not in (env or {}))
+    service = _spawn(name, [sys.executable, "-m", "sluice.cli", "gateway", "--config",
+                            str(config), "--log-level", "warning"], port, workdir,
+                     env=env, unset=unset)
     _ready_or_stop(service, "/healthz", 60)
     return service
 

@@ -158,7 +158,7 @@ class HttpSide:
         import httpx
 
         self.port = _free_port()
-        self.proc = subprocess.Popen(
+        self.proc = subprocess.Popen(  # noqa: ASYNC220 - once per run, before measuring
             [sys.executable, "-m", "sluice.cli", "backend", "--model", "tiny",
              "--port", str(self.port), "--log-level", "warning"],
             cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from .engine import LLMEngine
 from .errors import EngineDeadError, InvalidRequestError
@@ -57,6 +58,9 @@ class AsyncEngine:
         self._streams: dict[str, asyncio.Queue[OutputDelta | BaseException]] = {}
         self._dead: BaseException | None = None
         self._snapshot: EngineState = core.state()
+        # Called on the event loop with every final delta, also of requests whose stream
+        # was closed (a client that left): the server's telemetry ends them there.
+        self.on_final: Callable[[OutputDelta], None] | None = None
 
     @classmethod
     def from_config(cls, config: Any) -> AsyncEngine:
@@ -84,7 +88,7 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join)
         self._thread = None
 
-    async def __aenter__(self) -> AsyncEngine:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
@@ -200,10 +204,16 @@ class AsyncEngine:
 
     def _dispatch(self, deltas: list[OutputDelta],
                   errors: list[tuple[str, BaseException]]) -> None:
+        on_final = self.on_final
         for delta in deltas:
             queue = self._streams.get(delta.request_id)
             if queue is not None:
                 queue.put_nowait(delta)
+            if delta.finished and on_final is not None:
+                try:
+                    on_final(delta)
+                except Exception:  # telemetry must never break the stream of outputs
+                    log.exception("on_final hook failed for %s", delta.request_id)
         for rid, exc in errors:
             queue = self._streams.get(rid)
             if queue is not None:
@@ -232,7 +242,7 @@ class RequestStream:
     never started, which a plain async generator would not guarantee.
     """
 
-    __slots__ = ("_engine", "request_id", "_queue", "_done")
+    __slots__ = ("_done", "_engine", "_queue", "request_id")
 
     def __init__(self, engine: AsyncEngine, request_id: str,
                  queue: asyncio.Queue[OutputDelta | BaseException]) -> None:
@@ -268,7 +278,7 @@ class RequestStream:
         self._done = True
         self._engine._release(self.request_id)
 
-    async def __aenter__(self) -> RequestStream:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -281,5 +291,5 @@ class RequestStream:
             try:
                 self._engine._release(self.request_id)
                 self._engine.abort(self.request_id)
-            except Exception:  # interpreter shutdown
+            except Exception:  # noqa: BLE001, S110 - interpreter shutdown
                 pass

@@ -7,8 +7,9 @@ thread-safe on purpose: requests and aborts reach it between steps.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -39,6 +40,7 @@ class _RequestState:
     stopper: StopStringMatcher
     generator: torch.Generator | None
     abort_mark: int | None = None  # output tokens when abort() was called
+    abort_time: float | None = None  # engine clock when abort() was called
 
 
 class LLMEngine:
@@ -158,6 +160,7 @@ class LLMEngine:
         seq = self.scheduler.get(request_id)
         if state is not None and seq is not None and state.abort_mark is None:
             state.abort_mark = seq.num_output_tokens
+            state.abort_time = self.clock()
 
     def abort(self, request_id: str) -> OutputDelta | None:
         """Abort from any state; frees the blocks now. Unknown/finished ids: no-op."""
@@ -170,7 +173,8 @@ class LLMEngine:
         after = seq.num_output_tokens - mark
         self.max_tokens_after_abort = max(self.max_tokens_after_abort, after)
         seq.finished_time = self.clock()
-        return self._final_delta(seq, "", (), (), tokens_after_abort=after)
+        return self._final_delta(seq, "", (), (), tokens_after_abort=after,
+                                 abort_time=state.abort_time)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -180,10 +184,11 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        started = self.clock()
         logits = self.runner.execute(out.chunks)
         now = self.clock()
         self.steps += 1
-        self.scheduler.on_step_done(out)
+        self.scheduler.on_step_done(out, started, now)
         sampling = [c.seq for c in out.chunks if c.samples]
         params = [s.params for s in sampling]
         gens = [self._generator(s) for s in sampling]
@@ -247,7 +252,8 @@ class LLMEngine:
 
     def _final_delta(self, seq: Sequence, text: str, token_ids: tuple[int, ...],
                      token_times: tuple[float, ...],
-                     tokens_after_abort: int | None = None) -> OutputDelta:
+                     tokens_after_abort: int | None = None,
+                     abort_time: float | None = None) -> OutputDelta:
         self._requests.pop(seq.request_id, None)
         metrics = RequestMetrics(
             arrival_time=seq.arrival_time,
@@ -257,6 +263,8 @@ class LLMEngine:
             token_times=tuple(seq.token_times),
             num_preemptions=seq.num_preemptions,
             tokens_after_abort=tokens_after_abort,
+            prefill_chunks=tuple(seq.prefill_chunks),
+            abort_time=abort_time,
         )
         reason = seq.finish_reason.value if seq.finish_reason else None
         return OutputDelta(

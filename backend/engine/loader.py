@@ -80,7 +80,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str)
             except Exception as exc:  # safetensors raises its own error types
                 raise ModelLoadError(f"cannot open {file.name}: {exc}") from exc
             with handle as f:
-                for name in f.keys():
+                for name in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                     if _ignored(name):
                         continue
                     param = params.get(name)

@@ -17,6 +17,9 @@ class RequestMetrics:
     token_times: tuple[float, ...]
     num_preemptions: int
     tokens_after_abort: int | None  # tokens generated between abort() and the abort taking effect
+    # (start position, tokens, step start, step end) per prefill chunk (Sequence.prefill_chunks)
+    prefill_chunks: tuple[tuple[int, int, float, float], ...] = ()
+    abort_time: float | None = None  # when abort() was asked for (a client left), if it was
 
     @property
     def queue_time(self) -> float | None:

@@ -24,12 +24,11 @@ One step, in order:
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from .block_manager import BlockManager
-from .sequence import FinishReason, Sequence, SequenceStatus
-
+from .sequence import MAX_PREFILL_CHUNKS, FinishReason, Sequence, SequenceStatus
 
 # Admission looks this far past requests that do not fit, bounding a step's work when
 # the queue is long and the KV cache is full.
@@ -297,13 +296,22 @@ class Scheduler:
         seq.ghost = True
 
     # ---- after the model ran ------------------------------------------------------------
-    def on_step_done(self, out: SchedulerOutput) -> None:
-        """Advance computed-token counts and register newly full blocks in the cache."""
+    def on_step_done(self, out: SchedulerOutput, started: float | None = None,
+                     ended: float | None = None) -> None:
+        """Advance computed-token counts and register newly full blocks in the cache.
+
+        With the step's times, each prefill chunk (any chunk before the first token, and
+        multi-token recompute chunks after a preemption) is noted on its sequence."""
         for chunk in out.chunks:
             seq = chunk.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
-            seq.num_computed_tokens = chunk.start + chunk.num_new_tokens
+            n = chunk.num_new_tokens
+            if (n > 1 or seq.first_token_time is None) and started is not None \
+                    and len(seq.prefill_chunks) < MAX_PREFILL_CHUNKS:
+                seq.prefill_chunks.append((chunk.start, n, started,
+                                           started if ended is None else ended))
+            seq.num_computed_tokens = chunk.start + n
             self.bm.commit(seq)
 
     def check_length(self, seq: Sequence) -> FinishReason | None:

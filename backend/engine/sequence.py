@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from .sampling import SamplingParams
 
+MAX_PREFILL_CHUNKS = 128
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued: never scheduled, or preempted (its KV was dropped)
@@ -54,6 +56,9 @@ class Sequence:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finished_time: float | None = None
+    # (start position, tokens, step start, step end) of each prefill chunk run, recompute
+    # after a preemption included; at most MAX_PREFILL_CHUNKS (for the trace)
+    prefill_chunks: list[tuple[int, int, float, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

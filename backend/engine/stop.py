@@ -10,7 +10,7 @@ class StopStringMatcher:
     match the stop string and everything after it are dropped, as OpenAI does.
     """
 
-    __slots__ = ("_stops", "_held")
+    __slots__ = ("_held", "_stops")
 
     def __init__(self, stops: tuple[str, ...]) -> None:
         self._stops = stops

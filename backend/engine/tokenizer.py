@@ -90,7 +90,7 @@ def _build_environment() -> ImmutableSandboxedEnvironment:
             x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
         )
 
-    def strftime_now(format: str) -> str:  # noqa: A002 - the name templates call it with
+    def strftime_now(format: str) -> str:
         return datetime.now().strftime(format)
 
     class TemplateDict:
@@ -105,7 +105,7 @@ def _build_environment() -> ImmutableSandboxedEnvironment:
     class TemplateNamespace(jinja2.utils.Namespace):
         """`namespace()` that refuses underscore-prefixed attributes."""
 
-        def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - jinja's signature trick
+        def __init__(*args: Any, **kwargs: Any) -> None:
             self, rest = args[0], args[1:]
             attrs = dict(*rest, **kwargs)
             for name in attrs:

@@ -16,13 +16,14 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from backend.engine.async_engine import AsyncEngine
 from backend.engine.config import EngineConfig
 from backend.engine.errors import EngineError
+from telemetry import Telemetry
 
 from .errors import (
     ApiError,
@@ -107,14 +108,33 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
 def _generation_route(kind: str) -> Handler:
     async def handler(request: Request) -> Response:
         service = service_of(request)
-        if getattr(request.app.state, "draining", False):
-            raise Unavailable("the server is shutting down")
-        body = await read_json(request, request.app.state.settings.max_body_bytes)
-        prepared = service.prepare("chat" if kind == "chat" else "completion", body, None)
+        rec = service.begin(request.scope, kind)
+        try:
+            if getattr(request.app.state, "draining", False):
+                raise Unavailable("the server is shutting down")
+            body = await read_json(request, request.app.state.settings.max_body_bytes)
+            model = body.get("model")
+            rec.requested_model = model if isinstance(model, str) else None
+            prepared = service.prepare("chat" if kind == "chat" else "completion", body, None)
+        except ApiError as err:
+            service.reject(rec, err)
+            raise
+        except EngineError as exc:
+            failure = from_engine_error(exc)
+            service.reject(rec, failure)
+            raise failure from None
+        except ClientDisconnect:
+            rec.gone = True
+            service.end(rec)
+            raise
+        except Exception as exc:
+            service.reject(rec, InternalError(f"internal error: {type(exc).__name__}"))
+            raise
         # The x-request-id the response carries (the client's, or the one made for it)
         # names the engine request too, made unique if the same id is in flight.
-        prepared.request_id = service.claim_id(request.scope["state"]["request_id"])
-        return _AsResponse(GenerationResponse(service, prepared))
+        prepared.request_id = rec.request_id = service.claim_id(rec.request_id)
+        rec.p = prepared
+        return _AsResponse(GenerationResponse(service, prepared, rec))
 
     handler.__name__ = f"{kind}_completions"
     return api(handler)
@@ -152,9 +172,7 @@ async def state(request: Request) -> Response:
 
 @api
 async def metrics(request: Request) -> Response:
-    service = service_of(request)
-    text = service.metrics.render(service.engine.state(), service.num_inflight)
-    return Response(text, media_type=CONTENT_TYPE)
+    return Response(service_of(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
 async def health(request: Request) -> Response:
@@ -186,25 +204,32 @@ async def _unhandled(request: Request, exc: Exception) -> Response:
 
 
 def create_app(config: EngineConfig | None = None, settings: ServerSettings | None = None,
-               *, engine: AsyncEngine | None = None) -> Starlette:
+               *, engine: AsyncEngine | None = None,
+               telemetry: Telemetry | None = None) -> Starlette:
     """The server app. Give an already built ``engine`` (not started), or a ``config`` for
-    the lifespan to build one from (off the event loop)."""
+    the lifespan to build one from (off the event loop). ``telemetry`` (else one built from
+    the ``OTEL_*`` environment) is the app's from then on: the lifespan shuts it down."""
     settings = settings or ServerSettings()
     if engine is None and config is None:
         config = EngineConfig()
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        eng = engine
-        if eng is None:
-            eng = await asyncio.to_thread(AsyncEngine.from_config, config)
-        await eng.start()
-        app.state.service = ModelService(eng)
+        tel = telemetry or Telemetry.create("sluice-backend", scope="sluice.backend")
         try:
-            yield
+            eng = engine
+            if eng is None:
+                eng = await asyncio.to_thread(AsyncEngine.from_config, config)
+            await eng.start()
+            service = app.state.service = ModelService(eng, tel)
+            try:
+                yield
+            finally:
+                await eng.shutdown()  # aborts whatever is still running
+                service.close()  # traces and metrics of requests the engine never ended
+                app.state.service = None
         finally:
-            await eng.shutdown()  # aborts whatever is still running
-            app.state.service = None
+            await asyncio.to_thread(tel.shutdown)  # flushes the last spans
 
     routes = [
         Route("/v1/chat/completions", _generation_route("chat"), methods=["POST"]),

@@ -1,153 +1,170 @@
-"""Prometheus text exposition (format 0.0.4), written by hand: a few counters and
-histograms fed per finished request, plus gauges read from the engine's snapshot at scrape.
+"""The backend's metrics, on the ``telemetry`` registry: per-request latencies, outcomes and
+tokens recorded as each request ends, plus the engine's gauges and counters read from its
+snapshot at scrape time. Everything is prefixed ``sluice_backend_``; ``docs/metrics.md``
+defines each one.
+
+Latency definitions follow the capacity lesson: TTFT is request received → first token
+sampled; TPOT = (t_last − t_first) / (N_out − 1), none for one-token answers; ITL is every
+gap between consecutive output tokens; E2E is request received → response ended.
 """
 
 from __future__ import annotations
 
-import bisect
-from collections import Counter
+from collections.abc import Callable, Iterator
 
 from backend.engine.outputs import EngineState, OutputDelta
+from telemetry.metrics import CONTENT_TYPE, LATENCY_BUCKETS, TOKEN_BUCKETS, Family, Registry
+
+__all__ = ["CONTENT_TYPE", "PREFIX", "ServerMetrics"]
 
 PREFIX = "sluice_backend_"
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-# Seconds. Queue time and TTFT span a millisecond to minutes; TPOT is per token.
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                   10.0, 30.0, 60.0, 120.0)
-TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25,
-                0.5, 1.0, 2.5)
-
-
-class Histogram:
-    """Cumulative-bucket histogram; observe() is O(log buckets)."""
-
-    __slots__ = ("bounds", "count", "counts", "help", "name", "sum")
-
-    def __init__(self, name: str, help_text: str, bounds: tuple[float, ...]) -> None:
-        self.name = name
-        self.help = help_text
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # last slot: +Inf
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def render(self, out: list[str]) -> None:
-        out.append(f"# HELP {self.name} {self.help}")
-        out.append(f"# TYPE {self.name} histogram")
-        acc = 0
-        for bound, n in zip(self.bounds, self.counts):
-            acc += n
-            out.append(f'{self.name}_bucket{{le="{bound}"}} {acc}')
-        out.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
-        out.append(f"{self.name}_sum {self.sum}")
-        out.append(f"{self.name}_count {self.count}")
+SLO_LABELS = ("tenant", "model", "priority_class")
 
 
 class ServerMetrics:
-    """Per-request observations; engine gauges and counters come from its snapshot."""
+    def __init__(self, registry: Registry | None = None) -> None:
+        r = self.registry = registry or Registry()
+        h, c = r.histogram, r.counter
+        # Labelled by who asked: the SLO view (tenant, model, priority class).
+        self.ttft = h(PREFIX + "ttft_seconds", "Time to first token: request received to "
+                      "first output token sampled.", SLO_LABELS, LATENCY_BUCKETS)
+        self.tpot = h(PREFIX + "tpot_seconds", "Time per output token: (t_last - t_first) / "
+                      "(output tokens - 1), successful requests; none for one-token answers.",
+                      SLO_LABELS, TOKEN_BUCKETS)
+        self.itl = h(PREFIX + "itl_seconds", "Inter-token latency: every gap between "
+                     "consecutive output tokens of a request.", SLO_LABELS, TOKEN_BUCKETS)
+        self.e2e = h(PREFIX + "e2e_seconds", "End to end: request received to response "
+                     "ended, successful requests.", SLO_LABELS, LATENCY_BUCKETS)
+        self.queue_time = h(PREFIX + "queue_time_seconds", "Time from arrival in the engine "
+                            "to first scheduling.", SLO_LABELS, LATENCY_BUCKETS)
+        self.requests = c(PREFIX + "requests_total", "Generation requests by outcome "
+                          "(success, cancelled, error, invalid).", ("tenant", "model", "outcome"))
+        self.input_tokens = c(PREFIX + "input_tokens_total",
+                              "Prompt tokens of requests the engine ran.", ("tenant", "model"))
+        self.output_tokens = c(PREFIX + "output_tokens_total",
+                               "Output tokens of requests the engine ran.", ("tenant", "model"))
+        # The engine-wide, unlabelled series (kept: dashboards and tests read them).
+        self.engine_queue_time = h(PREFIX + "request_queue_time_seconds",
+                                   "Time from arrival to first scheduling in the engine.")
+        self.engine_ttft = h(PREFIX + "time_to_first_token_seconds",
+                             "Time from arrival in the engine to the first generated token.")
+        self.engine_tpot = h(PREFIX + "time_per_output_token_seconds",
+                             "Mean time between output tokens of a request (after the first).",
+                             bounds=TOKEN_BUCKETS)
+        self.engine_e2e = h(PREFIX + "request_latency_seconds",
+                            "Time from arrival in the engine to the last token.")
+        self.finished = c(PREFIX + "requests_finished_total", "Finished requests by reason.",
+                          ("finish_reason",))
+        self.prompt_tokens = c(PREFIX + "prompt_tokens_total",
+                               "Prompt tokens of finished requests.")
+        self.cached_tokens = c(PREFIX + "cached_prompt_tokens_total", "Prompt tokens of "
+                               "finished requests served from the prefix cache.")
+        self.generation_tokens = c(PREFIX + "generation_tokens_total",
+                                   "Output tokens of finished requests.")
+        self.disconnects = c(PREFIX + "client_disconnects_total",
+                             "Requests aborted because the client went away.")
+        self.http_requests = c(PREFIX + "http_requests_total",
+                               "HTTP responses by route and status.", ("route", "status"))
+        for counter in (self.prompt_tokens, self.cached_tokens, self.generation_tokens,
+                        self.disconnects):
+            counter.inc(by=0)  # unlabelled: shown as 0 before the first request
+        self._state: Callable[[], EngineState] | None = None
+        self._inflight: Callable[[], int] = lambda: 0
+        r.collector(self._live)
 
-    def __init__(self) -> None:
-        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds",
-                                    "Time from arrival to first scheduling in the engine.",
-                                    LATENCY_BUCKETS)
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
-                              "Time from arrival to the first generated token.",
-                              LATENCY_BUCKETS)
-        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds",
-                              "Mean time between output tokens of a request (after the first).",
-                              TPOT_BUCKETS)
-        self.e2e = Histogram(PREFIX + "request_latency_seconds",
-                             "Time from arrival to the last token.", LATENCY_BUCKETS)
-        self.finished: Counter[str] = Counter()
-        self.prompt_tokens = 0
-        self.cached_tokens = 0
-        self.generation_tokens = 0
-        self.http_requests: Counter[tuple[str, int]] = Counter()
-        self.disconnects = 0
+    def bind(self, state: Callable[[], EngineState], inflight: Callable[[], int]) -> None:
+        """Where the scrape-time values come from (the engine snapshot, in-flight count)."""
+        self._state = state
+        self._inflight = inflight
 
-    def observe_finished(self, delta: OutputDelta) -> None:
-        self.finished[delta.finish_reason or "unknown"] += 1
-        self.prompt_tokens += delta.num_prompt_tokens
-        self.cached_tokens += delta.num_cached_tokens
-        self.generation_tokens += delta.num_output_tokens
+    def observe_http(self, route: str, status: int) -> None:
+        self.http_requests.inc(route, str(status))
+
+    def observe_request(self, tenant: str, model: str, priority_class: str, outcome: str,
+                        delta: OutputDelta | None, received: float,
+                        ended: float) -> None:
+        """One generation request, once it has ended however it ended. ``received`` and
+        ``ended`` are on the engine's clock; ``delta`` is its final output, if it ran."""
+        self.requests.inc(tenant, model, outcome)
+        if delta is None:
+            return
+        self.finished.inc(delta.finish_reason or "unknown")
+        self.prompt_tokens.inc(by=delta.num_prompt_tokens)
+        self.cached_tokens.inc(by=delta.num_cached_tokens)
+        self.generation_tokens.inc(by=delta.num_output_tokens)
+        self.input_tokens.inc(tenant, model, by=delta.num_prompt_tokens)
+        self.output_tokens.inc(tenant, model, by=delta.num_output_tokens)
         m = delta.metrics
         if m is None:
             return
+        labels = (tenant, model, priority_class)
         if m.queue_time is not None:
-            self.queue_time.observe(m.queue_time)
+            self.engine_queue_time.observe(m.queue_time)
+            self.queue_time.observe(m.queue_time, *labels)
         if m.ttft is not None:
-            self.ttft.observe(m.ttft)
+            self.engine_ttft.observe(m.ttft)
         times = m.token_times
-        if len(times) >= 2:
-            self.tpot.observe((times[-1] - times[0]) / (len(times) - 1))
-        if m.finished_time is not None and times:
-            self.e2e.observe(times[-1] - m.arrival_time)
+        if not times:
+            return
+        self.ttft.observe(times[0] - received, *labels)
+        n = len(times)
+        if n >= 2:
+            tpot = (times[-1] - times[0]) / (n - 1)
+            self.engine_tpot.observe(tpot)
+            if outcome == "success":
+                self.tpot.observe(tpot, *labels)
+            itl = self.itl.child(*labels)
+            prev = times[0]
+            for t in times[1:]:
+                itl.observe(t - prev)
+                prev = t
+        if m.finished_time is not None:
+            self.engine_e2e.observe(times[-1] - m.arrival_time)
+        if outcome == "success":
+            self.e2e.observe(ended - received, *labels)
 
-    def observe_http(self, route: str, status: int) -> None:
-        self.http_requests[(route, status)] += 1
+    def render(self) -> str:
+        return self.registry.render()
 
-    def render(self, state: EngineState, inflight: int) -> str:
-        out: list[str] = []
+    def _live(self) -> Iterator[Family]:
+        yield Family(PREFIX + "num_requests_inflight", "gauge",
+                     "HTTP generation requests in flight.").add(self._inflight())
+        if self._state is None:
+            return
+        s = self._state()
+        used = s.kv_blocks_total - s.kv_blocks_free
 
-        def metric(name: str, kind: str, help_text: str, value: float,
-                   labels: str = "") -> None:
-            out.append(f"# HELP {PREFIX}{name} {help_text}")
-            out.append(f"# TYPE {PREFIX}{name} {kind}")
-            out.append(f"{PREFIX}{name}{labels} {value}")
+        def one(name: str, kind: str, help_text: str, value: float) -> Family:
+            return Family(PREFIX + name, kind, help_text).add(value)  # type: ignore[arg-type]
 
-        used = state.kv_blocks_total - state.kv_blocks_free
-        metric("kv_blocks_total", "gauge", "KV cache blocks in the pool.", state.kv_blocks_total)
-        metric("kv_blocks_used", "gauge", "KV cache blocks held by live requests.", used)
-        metric("kv_blocks_free", "gauge", "KV blocks free or cached-free.", state.kv_blocks_free)
-        metric("kv_blocks_cached", "gauge", "Free KV blocks that still hold a cached prefix.",
-               state.kv_blocks_cached)
-        metric("kv_cache_usage_ratio", "gauge", "Used KV blocks over total.",
-               used / state.kv_blocks_total if state.kv_blocks_total else 0.0)
-        metric("block_size", "gauge", "Tokens per KV block.", state.block_size)
-        metric("num_requests_running", "gauge", "Requests scheduled in the engine.",
-               state.running)
-        metric("num_requests_waiting", "gauge", "Requests queued in the engine.", state.waiting)
-        metric("num_requests_inflight", "gauge", "HTTP generation requests in flight.", inflight)
-        metric("preemptions_total", "counter", "Preemptions by recompute.", state.preemptions)
-        metric("prefix_cache_queries_total", "counter", "Admissions that looked the prefix cache up.",
-               state.prefix_cache_queries)
-        metric("prefix_cache_hits_total", "counter", "Admissions that reused at least one cached block.",
-               state.prefix_cache_hits)
-        metric("prefix_cache_query_tokens_total", "counter", "Prompt tokens looked up.",
-               state.prefix_cache_query_tokens)
-        metric("prefill_tokens_saved_total", "counter", "Prompt tokens served from the cache.",
-               state.prefill_tokens_saved)
-        metric("prefix_cache_evictions_total", "counter", "Cached blocks evicted for reuse.",
-               state.prefix_cache_evictions)
-        metric("engine_steps_total", "counter", "Engine iterations.", state.steps)
-        metric("engine_generated_tokens_total", "counter", "Tokens sampled by the engine.",
-               state.generated_tokens)
-        metric("engine_aborted_total", "counter", "Requests aborted in the engine.",
-               state.aborted)
-        metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
-               self.prompt_tokens)
-        metric("cached_prompt_tokens_total", "counter",
-               "Prompt tokens of finished requests served from the prefix cache.",
-               self.cached_tokens)
-        metric("generation_tokens_total", "counter", "Output tokens of finished requests.",
-               self.generation_tokens)
-        metric("client_disconnects_total", "counter",
-               "Requests aborted because the client went away.", self.disconnects)
-        out.append(f"# HELP {PREFIX}requests_finished_total Finished requests by reason.")
-        out.append(f"# TYPE {PREFIX}requests_finished_total counter")
-        for reason, n in sorted(self.finished.items()):
-            out.append(f'{PREFIX}requests_finished_total{{finish_reason="{reason}"}} {n}')
-        out.append(f"# HELP {PREFIX}http_requests_total HTTP responses by route and status.")
-        out.append(f"# TYPE {PREFIX}http_requests_total counter")
-        for (route, status), n in sorted(self.http_requests.items()):
-            out.append(f'{PREFIX}http_requests_total{{route="{route}",status="{status}"}} {n}')
-        for h in (self.queue_time, self.ttft, self.tpot, self.e2e):
-            h.render(out)
-        out.append("")
-        return "\n".join(out)
+        yield one("kv_blocks_total", "gauge", "KV cache blocks in the pool.", s.kv_blocks_total)
+        yield one("kv_blocks_used", "gauge", "KV cache blocks held by live requests.", used)
+        yield one("kv_blocks_free", "gauge", "KV blocks free or cached-free.", s.kv_blocks_free)
+        yield one("kv_blocks_cached", "gauge", "Free KV blocks that still hold a cached prefix.",
+                  s.kv_blocks_cached)
+        yield one("kv_cache_usage_ratio", "gauge", "Used KV blocks over total.",
+                  used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
+        yield one("block_size", "gauge", "Tokens per KV block.", s.block_size)
+        yield one("num_requests_running", "gauge", "Requests scheduled in the engine.",
+                  s.running)
+        yield one("num_requests_waiting", "gauge", "Requests queued in the engine.", s.waiting)
+        yield one("preemptions_total", "counter", "Preemptions by recompute.", s.preemptions)
+        yield one("prefix_cache_queries_total", "counter",
+                  "Admissions that looked the prefix cache up.", s.prefix_cache_queries)
+        yield one("prefix_cache_hits_total", "counter",
+                  "Admissions that reused at least one cached block.", s.prefix_cache_hits)
+        yield one("prefix_cache_hit_rate", "gauge", "Prefix-cache hits over queries "
+                  "(admissions), since start; 0 before the first query.",
+                  s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries
+                  else 0.0)
+        yield one("prefix_cache_query_tokens_total", "counter", "Prompt tokens looked up.",
+                  s.prefix_cache_query_tokens)
+        yield one("prefill_tokens_saved_total", "counter",
+                  "Prompt tokens served from the cache.", s.prefill_tokens_saved)
+        yield one("prefix_cache_evictions_total", "counter",
+                  "Cached blocks evicted for reuse.", s.prefix_cache_evictions)
+        yield one("engine_steps_total", "counter", "Engine iterations.", s.steps)
+        yield one("engine_generated_tokens_total", "counter", "Tokens sampled by the engine.",
+                  s.generated_tokens)
+        yield one("engine_aborted_total", "counter", "Requests aborted in the engine.",
+                  s.aborted)

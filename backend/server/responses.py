@@ -18,6 +18,7 @@ from backend.engine.errors import EngineError
 from .errors import ApiError, InternalError, Unavailable, from_engine_error
 from .service import ModelService, Prepared
 from .sse import ChunkEncoder, dumps, error_event, whole_response
+from .tracing import RequestRecord
 
 log = logging.getLogger("sluice.backend")
 
@@ -71,9 +72,11 @@ async def send_json(send: Send, status: int, body: bytes,
 class GenerationResponse:
     """Runs ``prepared`` on the engine when the server calls it as an ASGI app."""
 
-    def __init__(self, service: ModelService, prepared: Prepared) -> None:
+    def __init__(self, service: ModelService, prepared: Prepared,
+                 record: RequestRecord) -> None:
         self.service = service
         self.p = prepared
+        self.rec = record  # status, error and fate, for the request's metrics and trace
         self._started = False  # response headers sent
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -83,21 +86,24 @@ class GenerationResponse:
         run = self._stream(send, raw_send) if self.p.stream else self._whole(send)
         try:
             await race_disconnect(run, receive)
-        except ClientGone:
-            self.service.metrics.disconnects += 1
-        except OSError:  # the transport failed under a send: the client is gone
-            self.service.metrics.disconnects += 1
+        except (ClientGone, OSError):  # OSError: the transport failed under a send
+            self.service.metrics.disconnects.inc()
+            self.rec.gone = True
         except asyncio.CancelledError:
             # The server's grace period ran out (SIGTERM): the engine request is aborted
             # by now; tell the client why instead of cutting the stream silently.
             # Ending normally (not re-raising) spares the log a traceback per request.
+            self.rec.shutdown = True
             await self._send_aborted(send)
+        finally:
+            self.service.end(self.rec)
 
     async def _send_aborted(self, send: Send) -> None:
         err = Unavailable("the request was aborted: the server is shutting down",
                           code="aborted")
         try:
             if not self._started:
+                self.rec.status = err.status
                 await send_json(send, err.status, err.json_bytes())
             else:
                 await send({"type": "http.response.body",
@@ -108,45 +114,52 @@ class GenerationResponse:
     async def _whole(self, send: Send) -> None:
         parts: list[str] = []
         try:
-            stream = await self.service.open(self.p)
+            stream = await self.service.open(self.p, self.rec)
             async with stream:  # closing it aborts the request unless it finished
                 async for delta in stream:
                     if delta.text:
                         parts.append(delta.text)
                     if not delta.finished:
                         continue
-                    self.service.finished(delta)
                     if delta.finish_reason == "abort":
                         raise Unavailable("the request was aborted: the server is shutting down")
                     body = whole_response(self.p, "".join(parts), delta)
                     self._started = True
+                    self.rec.status = 200
+                    self.service.end(self.rec)
                     await send_json(send, 200, dumps(body).encode())
                     return
         except (EngineError, ApiError) as exc:
             failure = exc if isinstance(exc, ApiError) else from_engine_error(exc)
+            self.rec.error = failure
+            self.rec.status = failure.status
             await send_json(send, failure.status, failure.json_bytes())
             return
-        bug = InternalError("the engine ended the stream without a final output")
+        bug = self.rec.error = InternalError("the engine ended the stream without a final output")
+        self.rec.status = bug.status
         await send_json(send, bug.status, bug.json_bytes())
 
     async def _stream(self, send: Send, raw_send: Send) -> None:
         enc = ChunkEncoder(self.p)
         self._started = True
+        self.rec.status = 200
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         first = enc.first()
         if first is not None:
             await raw_send({"type": "http.response.body", "body": first, "more_body": True})
         try:
-            stream = await self.service.open(self.p)
+            stream = await self.service.open(self.p, self.rec)
             async with stream:  # closing it aborts the request unless it finished
                 async for delta in stream:
                     if delta.finished:
-                        self.service.finished(delta)
                         if delta.finish_reason == "abort":
-                            body = error_event("the request was aborted: the server is "
-                                               "shutting down", "server_error", "aborted", 503)
+                            err = self.rec.error = Unavailable(
+                                "the request was aborted: the server is shutting down",
+                                code="aborted")
+                            body = error_event(err.message, err.type, err.code, err.status)
                         else:
                             body = enc.final(delta)
+                            self.service.end(self.rec)
                         await raw_send({"type": "http.response.body", "body": body})
                         return
                     if delta.text:  # an empty delta holds back a partial character or stop
@@ -154,10 +167,11 @@ class GenerationResponse:
                                         "body": enc.text(delta.text, delta),
                                         "more_body": True})
         except (EngineError, ApiError) as exc:
-            failure = exc if isinstance(exc, ApiError) else from_engine_error(exc)
+            failure = self.rec.error = exc if isinstance(exc, ApiError) \
+                else from_engine_error(exc)
             body = error_event(failure.message, failure.type, failure.code, failure.status)
             await send({"type": "http.response.body", "body": body})
             return
-        bug = InternalError("the engine ended the stream without a final output")
+        bug = self.rec.error = InternalError("the engine ended the stream without a final output")
         await send({"type": "http.response.body",
                     "body": error_event(bug.message, bug.type, bug.code, bug.status)})

@@ -17,6 +17,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from backend.engine.async_engine import AsyncEngine
+from telemetry import Telemetry
 
 from .app import ServerSettings, create_app
 
@@ -41,9 +42,11 @@ class _Server(uvicorn.Server):
 
 
 def serve(engine: AsyncEngine, settings: ServerSettings,
-          on_ready: Callable[[], None] | None = None) -> int:
-    """Serve ``engine`` (built, not started) until SIGTERM/SIGINT; returns an exit code."""
-    app = create_app(settings=settings, engine=engine)
+          on_ready: Callable[[], None] | None = None,
+          telemetry: Telemetry | None = None) -> int:
+    """Serve ``engine`` (built, not started) until SIGTERM/SIGINT; returns an exit code.
+    ``telemetry`` (else one from the ``OTEL_*`` environment) is shut down on the way out."""
+    app = create_app(settings=settings, engine=engine, telemetry=telemetry)
     config = uvicorn.Config(
         app,
         host=settings.host,

@@ -1,14 +1,20 @@
 """The model service behind the HTTP routes: request → engine inputs, and engine → answers.
 
 One ``ModelService`` is built per app in the lifespan and kept on ``app.state.service``;
-it owns the engine, the metrics and the set of engine request ids in flight.
+it owns the engine, the telemetry (tracer and metrics registry) and the set of engine
+request ids in flight. Each generation request has a ``RequestRecord`` from ``begin`` to
+``end``; it is finished (metrics observed, spans emitted) once both the handler has ended
+and, if the engine ran it, the engine's final output has arrived, which for a client that
+left comes through ``AsyncEngine.on_final`` after the handler is gone.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,10 +24,15 @@ from backend.engine.async_engine import AsyncEngine, RequestStream
 from backend.engine.errors import PromptTooLongError
 from backend.engine.outputs import OutputDelta
 from backend.engine.sampling import SamplingParams
+from telemetry import Telemetry, extract, priority_class
 
-from .errors import BadRequest, ModelNotFound
+from .errors import ApiError, BadRequest, ModelNotFound
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, Kind, TokenizeRequest
+from .tracing import NO_TENANT, RequestRecord, emit_spans
+
+log = logging.getLogger("sluice.backend")
+MAX_TENANT_LEN = 128
 
 
 @dataclass(slots=True)
@@ -39,6 +50,8 @@ class Prepared:
     model: str
     fingerprint: str
     continuous_usage: bool = False  # usage on every chunk (stream_options)
+    temperature: float | None = None  # as asked (None: not given)
+    top_p: float | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -60,8 +73,15 @@ def validation_error(exc: ValidationError) -> BadRequest:
     return BadRequest(f"invalid value for {where!r}: {msg}", param)
 
 
+def header(scope: Mapping[str, Any], name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")  # type: ignore[no-any-return]
+    return None
+
+
 class ModelService:
-    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, telemetry: Telemetry | None = None) -> None:
         if engine.parts is None:
             raise ValueError("the service needs an engine built from a config (engine.parts)")
         self.engine = engine
@@ -72,15 +92,27 @@ class ModelService:
         self.max_model_len = engine.core.max_model_len
         self.fingerprint = self.versions.fingerprint()
         self.resolved_header = self.versions.header_value().encode("latin-1", "replace")
-        self.metrics = metrics or ServerMetrics()
         self.created = int(time.time())
         self._inflight: set[str] = set()
         self._suffix = itertools.count(1)
+        # Telemetry first: the metrics live in its registry (Prometheus and OTLP read it).
+        self.telemetry = telemetry or Telemetry.create("sluice-backend", scope="sluice.backend")
+        self.tracer = self.telemetry.tracer
+        self.metrics = ServerMetrics(self.telemetry.registry)
+        self.metrics.bind(engine.state, lambda: self.num_inflight)
+        self.clock = engine.core.clock  # the engine's timestamps are on this clock
+        self._records: dict[str, RequestRecord] = {}  # in the engine, not finished yet
+        v = self.versions
+        self.span_versions: dict[str, Any] = {k: val for k, val in (
+            ("gen_ai.response.model", self.model_name), ("sluice.model.revision", v.revision),
+            ("sluice.tokenizer", v.tokenizer), ("sluice.chat_template", v.chat_template),
+            ("sluice.engine", v.engine)) if val is not None}
+        engine.on_final = self._on_final
 
     # ---- request ids --------------------------------------------------------------------
     def claim_id(self, wanted: str | None) -> str:
         rid = wanted or uuid.uuid4().hex
-        while rid in self._inflight:
+        while rid in self._inflight or rid in self._records:
             rid = f"{wanted}-{next(self._suffix)}"
         self._inflight.add(rid)
         return rid
@@ -153,20 +185,81 @@ class ModelService:
             priority=req.priority or 0, cache_salt=req.cache_salt or None,
             stream=bool(req.stream), include_usage=req.include_usage,
             continuous_usage=req.continuous_usage,
-            model=self.model_name, fingerprint=self.fingerprint)
+            model=self.model_name, fingerprint=self.fingerprint,
+            temperature=None if req.temperature is None else float(req.temperature),
+            top_p=None if req.top_p is None else float(req.top_p))
 
     # ---- generation ---------------------------------------------------------------------
-    async def open(self, p: Prepared) -> RequestStream:
+    def begin(self, scope: Mapping[str, Any], kind: str) -> RequestRecord:
+        """The record of a generation request, from its headers (the gateway sends the
+        trusted ``x-sluice-tenant`` and the W3C ``traceparent``/``tracestate``)."""
+        tenant = (header(scope, b"x-sluice-tenant") or "").strip()[:MAX_TENANT_LEN]
+        parent = None
+        if self.telemetry.tracing:
+            parent = extract(header(scope, b"traceparent"), header(scope, b"tracestate"))
+        return RequestRecord(scope["state"]["request_id"], kind, tenant or NO_TENANT,
+                             self.clock(), parent)
+
+    def reject(self, rec: RequestRecord, err: ApiError) -> None:
+        """The request was refused before the engine saw it."""
+        rec.error = err
+        rec.status = err.status
+        self.end(rec)
+
+    async def open(self, p: Prepared, rec: RequestRecord) -> RequestStream:
         """The engine's stream of deltas for ``p`` (``p.request_id`` claimed beforehand).
 
         Closing the stream, or cancelling the task reading it, aborts the request in the
-        engine unless it finished. Call ``finished(delta)`` on the final delta.
+        engine unless it finished. Call ``end(rec)`` when the handler is done.
         """
-        return await self.engine.generate(p.request_id, p.prompt_ids, p.params,
-                                          priority=p.priority, cache_salt=p.cache_salt)
+        stream = await self.engine.generate(p.request_id, p.prompt_ids, p.params,
+                                            priority=p.priority, cache_salt=p.cache_salt)
+        rec.opened = True
+        self._records[p.request_id] = rec
+        return stream
 
-    def finished(self, delta: OutputDelta) -> None:
-        self.metrics.observe_finished(delta)
+    def end(self, rec: RequestRecord) -> None:
+        """The handler is done; finish now unless the engine's final output is still due
+        (the client left: the abort's final delta reaches ``_on_final`` later). A success
+        ends just before its last bytes go out, so a scrape right after sees it."""
+        if rec.ended is not None:
+            return
+        rec.ended = self.clock()
+        if rec.status == 0:
+            rec.status = 499 if rec.gone else 503 if rec.shutdown else 500
+        if (rec.opened and rec.delta is None and rec.error is None
+                and self.engine.is_running):
+            return
+        self._finish(rec)
+
+    def _on_final(self, delta: OutputDelta) -> None:
+        rec = self._records.get(delta.request_id)
+        if rec is None:
+            return
+        rec.delta = delta
+        if rec.ended is not None:
+            self._finish(rec)
+
+    def _finish(self, rec: RequestRecord) -> None:
+        if rec.p is not None and self._records.get(rec.p.request_id) is rec:
+            del self._records[rec.p.request_id]
+        ended = rec.ended if rec.ended is not None else self.clock()
+        prio = priority_class(rec.p.priority) if rec.p is not None else priority_class(0)
+        self.metrics.observe_request(rec.tenant, self.model_name, prio, rec.outcome,
+                                     rec.delta, rec.received, ended)
+        if self.telemetry.tracing:
+            try:
+                emit_spans(self.tracer, rec, self.span_versions, self.clock)
+            except Exception:
+                log.exception("could not trace request %s", rec.request_id)
+
+    def close(self) -> None:
+        """Finish the records still waiting for the engine (it has stopped)."""
+        for rec in list(self._records.values()):
+            if rec.ended is None:
+                rec.ended = self.clock()
+            self._finish(rec)
+        self._records.clear()
 
     # ---- read-only endpoints ------------------------------------------------------------
     def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:

@@ -31,6 +31,7 @@ class FakeBackend:
         self.mode = "ok"
         self.revision = "a" * 64
         self.bodies: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []  # of each generation request
         self.aborted = 0  # streams the client (the gateway) left before the end
         self.finished = 0
         self.release = threading.Event()
@@ -93,6 +94,7 @@ class FakeBackend:
     async def _generate(self, request: Request) -> Response:
         body = await request.json()
         self.bodies.append(body)
+        self.headers.append(dict(request.headers))
         if self.mode == "slow":  # every answer takes ~50 ms: a saturated upstream
             await asyncio.sleep(0.05)
         if self.mode == "stall":

@@ -10,8 +10,8 @@ fused ``qkv_weight`` in place and no second copy of the weights exists.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F

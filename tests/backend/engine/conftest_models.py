@@ -13,11 +13,11 @@ from backend.engine.kv_cache import allocate_kv_cache
 from backend.engine.model_config import ModelConfig
 from backend.engine.models import CausalLM
 
-TINY: dict[str, Any] = dict(
-    vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-    rms_norm_eps=1e-5, initializer_range=0.1,
-)
+TINY: dict[str, Any] = {
+    "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5, "initializer_range": 0.1,
+}
 
 
 def save_hf_checkpoint(kind: str, out: Path, seed: int = 0,

@@ -56,10 +56,10 @@ class CharDetok:
 
 
 def make_engine(scripts: dict[int, list[int]], **kw) -> LLMEngine:
-    args = dict(runner=ScriptedRunner(scripts), num_blocks=64, block_size=4, vocab_size=VOCAB,
-                max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
-                eos_token_ids=(EOS,), make_detokenizer=CharDetok,
-                make_salt=lambda s: (s or "").encode())
+    args = {"runner": ScriptedRunner(scripts), "num_blocks": 64, "block_size": 4,
+            "vocab_size": VOCAB, "max_model_len": 64, "max_num_seqs": 8,
+            "max_num_batched_tokens": 32, "eos_token_ids": (EOS,),
+            "make_detokenizer": CharDetok, "make_salt": lambda s: (s or "").encode()}
     args.update(kw)
     return LLMEngine(**args)
 
@@ -221,3 +221,65 @@ async def test_async_engine_stream_and_cancel():
         st = aeng.state()
         assert (st.running, st.waiting, st.kv_blocks_free, st.aborted) == (0, 0, 64, 1)
         assert st.max_tokens_after_abort <= 2
+
+
+def test_prefill_chunks_are_recorded_with_their_step_times():
+    ticks = iter(range(1, 10_000))
+    eng = make_engine({3: [1, 2, 3]}, max_num_batched_tokens=8, clock=lambda: float(next(ticks)))
+    prompt = [3] + list(range(4, 23))  # 20 tokens: chunks of 8, 8, 4 (budget 8)
+    eng.add_request("a", prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    m = run_all(eng)["a"][-1].metrics
+    assert m is not None and m.first_token_time is not None
+    assert [(start, n) for start, n, _, _ in m.prefill_chunks] == [(0, 8), (8, 8), (16, 4)]
+    for _, _, t0, t1 in m.prefill_chunks:
+        assert m.first_scheduled_time <= t0 < t1 <= m.first_token_time
+    assert m.prefill_chunks[-1][3] == m.first_token_time  # the last chunk samples it
+    assert len(m.token_times) == 3  # decode steps are not prefill chunks
+    # The same prompt again: the prefix cache serves whole blocks, the first chunk starts
+    # after them.
+    eng.add_request("b", prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    final = run_all(eng)["b"][-1]
+    assert final.num_cached_tokens > 0
+    assert final.metrics is not None
+    assert final.metrics.prefill_chunks[0][0] == final.num_cached_tokens
+
+
+def test_abort_reports_when_it_was_asked_and_tokens_after():
+    ticks = iter(range(1, 10_000))
+    eng = make_engine({3: [1] * 40}, clock=lambda: float(next(ticks)))
+    eng.add_request("a", [3, 4], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    eng.mark_abort("a")
+    eng.step()  # one more token before the abort takes effect
+    final = eng.abort("a")
+    assert final is not None and final.finish_reason == "abort"
+    m = final.metrics
+    assert m is not None and m.abort_time is not None and m.finished_time is not None
+    assert m.token_times[2] < m.abort_time < m.token_times[3] < m.finished_time
+    assert m.tokens_after_abort == 1
+    assert [(s, n) for s, n, _, _ in m.prefill_chunks] == [(0, 2)]
+
+
+async def test_async_engine_hands_every_final_delta_to_on_final():
+    eng = make_engine({3: [1] * 50})
+    aeng = AsyncEngine(eng)
+    finals = []
+    aeng.on_final = finals.append
+    async with aeng:
+        stream = await aeng.generate("done", [3], SamplingParams(max_tokens=2, temperature=0,
+                                                                  ignore_eos=True))
+        got = [d async for d in stream]
+        assert finals == [got[-1]]
+        # A stream closed early: nobody reads its final delta, on_final still gets it.
+        stream = await aeng.generate("gone", [3], SamplingParams(max_tokens=50, temperature=0,
+                                                                  ignore_eos=True))
+        async for _ in stream:
+            break
+        await stream.aclose()
+        for _ in range(200):
+            if len(finals) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert finals[1].request_id == "gone" and finals[1].finish_reason == "abort"
+        assert finals[1].metrics is not None and finals[1].metrics.abort_time is not None

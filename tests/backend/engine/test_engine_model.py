@@ -17,8 +17,9 @@ from backend.engine.sampling import SamplingParams
 
 
 def make(cache: Path, **kw) -> EngineParts:
-    base = dict(model="tiny", cache_dir=str(cache), device="cpu", dtype="float32",
-                block_size=4, kv_blocks=256, max_num_seqs=16, max_num_batched_tokens=24)
+    base = {"model": "tiny", "cache_dir": str(cache), "device": "cpu", "dtype": "float32",
+            "block_size": 4, "kv_blocks": 256, "max_num_seqs": 16,
+            "max_num_batched_tokens": 24}
     base.update(kw)
     return build_engine(EngineConfig(**base))
 
@@ -72,7 +73,7 @@ def reference(tiny_cache_dir: Path):
 
 
 def test_continuous_batching_equals_running_alone(tiny_cache_dir, reference):
-    vocab, ref_greedy, _, greedy, _ = reference
+    _vocab, ref_greedy, _, greedy, _ = reference
     parts = make(tiny_cache_dir, enable_prefix_cache=False)
     got = run(parts, greedy)
     assert got == ref_greedy
@@ -80,7 +81,7 @@ def test_continuous_batching_equals_running_alone(tiny_cache_dir, reference):
 
 
 def test_preempted_requests_resume_to_the_same_output(tiny_cache_dir, reference):
-    vocab, ref_greedy, _, greedy, _ = reference
+    _vocab, ref_greedy, _, greedy, _ = reference
     parts = make(tiny_cache_dir, kv_blocks=30)  # 120 token slots for ~10 requests
     got = run(parts, greedy)
     assert parts.core.state().preemptions > 0

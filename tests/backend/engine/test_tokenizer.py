@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -304,7 +305,7 @@ def _stream(tok: Tokenizer, chunks: Sequence[Sequence[int]], skip: bool = True,
 
 def _chunks(ids: list[int], cuts: list[int]) -> Iterator[list[int]]:
     points = sorted({c % (len(ids) + 1) for c in cuts} | {0, len(ids)})
-    for a, b in zip(points, points[1:]):
+    for a, b in itertools.pairwise(points):
         yield ids[a:b]
     yield []  # an empty step is legal
 

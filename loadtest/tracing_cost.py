@@ -1,0 +1,164 @@
+"""What tracing costs the gateway, measured side by side in one run.
+
+    python -m loadtest.tracing_cost [--quick] [--json FILE]
+
+Starts `sluice fake-upstream`, an OTLP/HTTP receiver (``python -m loadtest.otlp_sink
+--no-decode``, its own process: in the load client's process its reads would stall the
+client's clock), and two `sluice gateway` processes with the same config
+in front of the same upstream: one with tracing off, one tracing every request
+(``OTEL_TRACES_SAMPLER=always_on``, OTLP/HTTP to the receiver). Then, interleaving the two
+in short segments as the overhead bench does (docs/overhead.md):
+
+(a) at a fixed rate both sustain, each gateway's CPU time per request and its latency;
+(b) each gateway's highest open-loop rate with p99 added <= 50 ms and < 1 % errors.
+
+Target (issue #6): tracing costs <= 10 % of max rate, i.e. traced / untraced >= 0.9.
+Each gateway's /metrics is read afterwards: the traced one must have exported every span
+(``sluice_telemetry_spans_total``), none dropped and none refused by the receiver.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import signal
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from loadtest import targets as procs
+from loadtest.load_client import Pool
+from loadtest.measure import Target, chat_request, interleaved, sweep, warm_up
+from loadtest.overhead import CHUNKS, Plan, _table
+from loadtest.report import say, verdict
+
+GOAL_RATE_RATIO = 0.9
+
+
+def span_counts(port: int) -> dict[str, float]:
+    """sluice_telemetry_spans_total by result, from a gateway's /metrics."""
+    out: dict[str, float] = {}
+    for line in procs.fetch_metrics(port).splitlines():
+        if line.startswith("sluice_telemetry_spans_total{"):
+            result = line.split('result="', 1)[1].split('"', 1)[0]
+            out[result] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def start_sink(workdir: Path) -> procs.Service:
+    port = procs.free_port()
+    sink = procs._spawn("otlp-sink", [sys.executable, "-m", "loadtest.otlp_sink",
+                                      "--no-decode", "--port", str(port)], port, workdir)
+    try:  # any path answers; a 404 on GET / means it is listening
+        procs.wait_ready(sink, "/", 30, ok=(404,))
+    except BaseException:
+        sink.stop()
+        raise
+    return sink
+
+
+async def _bench(plan: Plan, workdir: Path, stack: contextlib.ExitStack) -> dict[str, Any]:
+    sink = start_sink(workdir)
+    stack.callback(sink.stop)
+    endpoint = f"http://127.0.0.1:{sink.port}"
+    up = procs.start_fake_upstream(workdir, CHUNKS)
+    stack.callback(up.stop)
+    plain = procs.start_gateway(workdir, up.port, name="untraced",
+                                env={"OTEL_TRACES_EXPORTER": "none"})
+    stack.callback(plain.stop)
+    traced = procs.start_gateway(workdir, up.port, name="traced", env={
+        "OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_TRACES_SAMPLER": "always_on"})
+    stack.callback(traced.stop)
+    direct = Target("direct", Pool("127.0.0.1", up.port, chat_request(up.port, None)))
+    gateways = [Target("untraced", Pool("127.0.0.1", plain.port,
+                                        chat_request(plain.port, procs.BENCH_KEY)),
+                       plain.cpu_seconds),
+                Target("traced", Pool("127.0.0.1", traced.port,
+                                      chat_request(traced.port, procs.BENCH_KEY)),
+                       traced.cpu_seconds)]
+    report: dict[str, Any] = {"plan": asdict(plan), "chunks": CHUNKS,
+                              "receiver": endpoint}
+    try:
+        await warm_up([direct, *gateways])
+        stats = await interleaved([direct, *gateways], plan.rate, plan.seconds,
+                                  plan.segment_s, CHUNKS)
+        report["at_rate"] = {k: asdict(v) for k, v in stats.items()}
+        _table(f"(a) {plan.rate:g} requests/s streamed chat ({CHUNKS} chunks), "
+               f"{plan.seconds:g} s per target", stats, "direct")
+        say("\n(b) highest open-loop rate with p99 added <= 50 ms and < 1% errors")
+        sweeps = {}
+        for target in gateways:
+            sweeps[target.name] = await sweep(direct, target, plan.step_s,
+                                              plan.step_segment_s, plan.step_requests, CHUNKS,
+                                              plan.refinements, say)
+        report["sweeps"] = {k: asdict(v) for k, v in sweeps.items()}
+    finally:
+        for target in [direct, *gateways]:
+            await target.pool.close()
+
+    counts = span_counts(traced.port)
+    report["spans"] = counts
+    say(f"\ntraced gateway's spans (sluice_telemetry_spans_total): {counts}")
+    say("max sustained rate:")
+    for name, s in sweeps.items():
+        say(f"  {name:<10}{s.max_rate:>7.0f} requests/s (stopped by: {s.limit})")
+    say("\ntargets:")
+    ratio = (sweeps["traced"].max_rate / sweeps["untraced"].max_rate
+             if sweeps["untraced"].max_rate else math.nan)
+    cpu_plain = stats["untraced"].cpu_us_per_request
+    cpu_traced = stats["traced"].cpu_us_per_request
+    cpu_ratio = cpu_plain / cpu_traced if cpu_plain and cpu_traced else math.nan
+    exported_all = (counts.get("exported", 0) > 0 and counts.get("dropped_queue_full", 0) == 0
+                    and counts.get("export_failed", 0) == 0)
+    report["tracing_max_rate_ratio"] = round(ratio, 3)
+    report["tracing_cpu_ratio"] = round(cpu_ratio, 3)
+    report["verdicts"] = [
+        verdict(f"max rate, traced / untraced (>= {GOAL_RATE_RATIO:g})", ratio,
+                None if math.isnan(ratio) else ratio >= GOAL_RATE_RATIO),
+        verdict(f"CPU per request at {plan.rate:g}/s, untraced / traced", cpu_ratio, None),
+        verdict("every span exported (none dropped or failed)", None, exported_all),
+    ]
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.tracing_cost",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="short run (~1 minute)")
+    parser.add_argument("--json", type=Path, help="write every figure to this file")
+    parser.add_argument("--rate", type=float, default=200.0,
+                        help="rate of part (a), requests/s (default 200)")
+    args = parser.parse_args(argv)
+    plan = Plan.quick(args.rate) if args.quick else Plan(rate=args.rate)
+    try:
+        import uvloop
+    except ImportError:
+        run: Any = asyncio.run
+    else:
+        run = uvloop.run
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
+    with tempfile.TemporaryDirectory(prefix="sluice-tracing-") as tmp, \
+            contextlib.ExitStack() as stack:
+        try:
+            report = run(_bench(plan, Path(tmp), stack))
+        except procs.TargetError as exc:
+            print(f"tracing bench: a server did not start: {exc}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("tracing bench: interrupted; servers stopped", file=sys.stderr)
+            return 130
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        say(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
