@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,6 +22,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+
+from telemetry.config import resolve as resolve_telemetry
 
 from .admin import admin_routes
 from .client_io import clean_request_id, header
@@ -181,7 +184,9 @@ async def _unhandled(request: Request, exc: Exception) -> Response:
 def create_app(config: GatewayConfig, tenants: TenantsFile, *,
                transport: httpx.AsyncBaseTransport | None = None) -> FastLane:
     """The gateway app (``.state.gateway`` once started); ``transport`` replaces httpx's
-    network for tests."""
+    network for tests. Raises ``TelemetryError`` (a ValueError) for bad OTEL_* settings
+    now, not at the first request."""
+    resolve_telemetry(config.telemetry, "sluice-gateway", os.environ)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -68,7 +68,7 @@ Phase = tuple[str, int, "dict[str, Any] | None", int]  # name, start ns, attribu
 
 class RequestTrace(NoTrace):
     """The root span, and its phases recorded as batched children (``record_phase``): a
-    request's eight spans cost a few tuple stores each on the hot path."""
+    request's seven spans cost a few tuple stores each on the hot path."""
 
     __slots__ = ("attrs", "root", "tracer")
     recording = True

@@ -182,8 +182,9 @@ def resolve(config: TelemetryConfig | None, default_service: str,
     if env.get("OTEL_EXPORTER_OTLP_HEADERS"):
         headers.update(_parse_kv(env["OTEL_EXPORTER_OTLP_HEADERS"], "OTEL_EXPORTER_OTLP_HEADERS"))
     resource = _parse_kv(env.get("OTEL_RESOURCE_ATTRIBUTES", ""), "OTEL_RESOURCE_ATTRIBUTES")
-    service = env.get("OTEL_SERVICE_NAME") or cfg.service_name or resource.get(
-        "service.name") or default_service
+    # The spec's order, then the file: the environment wins over it (module docstring).
+    service = env.get("OTEL_SERVICE_NAME") or resource.get(
+        "service.name") or cfg.service_name or default_service
     timeout_ms = _number(env, "OTEL_EXPORTER_OTLP_TIMEOUT", cfg.timeout_s * 1000)
     batch = int(_number(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512))
     queue = int(_number(env, "OTEL_BSP_MAX_QUEUE_SIZE", 8192))

@@ -99,7 +99,9 @@ class Counter(_Bounded):
     def inc(self, *labels: str, by: float = 1.0) -> None:
         key = self._alias.get(labels)
         if key is None:
-            key = self._alias[labels] = self._key(labels)
+            key = self._key(labels)
+            if key == labels:  # values folded into _other are not cached: memory stays bounded
+                self._alias[labels] = key
         self.values[key] = self.values.get(key, 0.0) + by
 
     def get(self, *labels: str) -> float:
@@ -129,7 +131,8 @@ class Histogram(_Bounded):
             if point is None:
                 point = self.points[key] = HistogramPoint(self.bounds,
                                                           [0] * (len(self.bounds) + 1))
-            self._alias[labels] = point
+            if key == labels:  # as Counter.inc: folded values are not cached
+                self._alias[labels] = point
         return point
 
     def observe(self, value: float, *labels: str) -> None:
@@ -186,6 +189,8 @@ def _fmt_labels(labels: Labels, extra: str = "") -> str:
 
 
 def _num(value: float) -> str:
+    if math.isnan(value):  # int(nan) raises: one NaN gauge must not fail the whole scrape
+        return "NaN"
     if math.isinf(value):
         return "+Inf" if value > 0 else "-Inf"
     if value == int(value) and abs(value) < 1e15:
@@ -197,7 +202,8 @@ def render(families: Iterable[Family]) -> str:
     """Prometheus text exposition 0.0.4."""
     out: list[str] = []
     for fam in families:
-        out.append(f"# HELP {fam.name} {fam.help}")
+        help_text = fam.help.replace("\\", "\\\\").replace("\n", "\\n")
+        out.append(f"# HELP {fam.name} {help_text}")
         out.append(f"# TYPE {fam.name} {fam.kind}")
         if fam.kind != "histogram":
             out += [f"{fam.name}{_fmt_labels(lb)} {_num(v)}" for lb, v in fam.samples]

@@ -108,7 +108,8 @@ class Encoder:
             elif t is bool:
                 value = b"\x10\x01" if v else b"\x10\x00"
             else:
-                parts.append(_ld(tag, key_value(k, v)))
+                if v is not None:  # None is no value (the API drops it), not "None"
+                    parts.append(_ld(tag, key_value(k, v)))
                 continue
             key = keys.get(k)
             if key is None:
@@ -140,6 +141,9 @@ class Encoder:
                + (b"\x22\x08" + s.parent_id.to_bytes(8, "big") if s.parent_id else b"")
                + self._name(s.name) + _KIND[s.kind_code] + b"\x39" + _pack_q(s.start_ns)
                + b"\x41" + _pack_q(s.end_ns or s.start_ns)]
+        state = _str(3, ctx.trace_state.to_header()) if ctx.trace_state else b""
+        if state:
+            out.append(state)
         if s.attributes:
             out.append(self.attributes(9, s.attributes))
         for event, t_ns, attrs in s.events:
@@ -166,7 +170,7 @@ class Encoder:
         tail = b"\x85\x01" + _pack_i(int(ctx.trace_flags) | 0x100)
         parts = [encoded]
         for c in s.children:
-            body = (ids + b"\x12\x08" + c.span_id.to_bytes(8, "big") + parent
+            body = (ids + b"\x12\x08" + c.span_id.to_bytes(8, "big") + state + parent
                     + self._name(c.name) + _KIND[c.kind_code] + b"\x39" + _pack_q(c.start_ns)
                     + b"\x41" + _pack_q(c.end_ns)
                     + (self.attributes(9, c.attributes) if c.attributes else b"") + tail)

@@ -4,7 +4,7 @@ Everything outside ``telemetry/`` codes against ``opentelemetry.trace`` (the API
 module is the implementation behind it. It keeps the SDK's semantics (W3C ids, the six
 standard samplers, parent-based sampling, resource, instrumentation scope, batch export on a
 background thread) at a fraction of its cost: the stock SDK spends ~20 µs creating and
-ending a span and ~70 µs encoding it, and a gateway request makes eight of them while the
+ending a span and ~70 µs encoding it, and a gateway request makes seven of them while the
 whole request costs well under a millisecond. Here a span is a slotted object whose
 ``end()`` appends it to a deque; encoding happens on the export thread (``otlp.Encoder``).
 
@@ -19,6 +19,7 @@ import random
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from itertools import islice
 from typing import Any
 
 from opentelemetry import trace
@@ -86,6 +87,8 @@ class Span(trace.Span):
             self.parent_remote = parent[2]  # is_remote
         self.kind_code = _KIND_CODE[kind]
         self.attributes: dict[str, Any] = dict(attributes) if attributes else {}
+        if len(self.attributes) > _MAX_ATTRIBUTES:  # the limit holds from the start too
+            self.attributes = dict(islice(self.attributes.items(), _MAX_ATTRIBUTES))
         self.links = links
         self.events: list[tuple[str, int, Mapping[str, Any] | None]] = []
         self.start_ns = start_ns
@@ -144,7 +147,7 @@ class Span(trace.Span):
             code, description = status.status_code, status.description
         else:
             code = status
-        if self.status_code == 1:  # OK is final (spec)
+        if self.status_code == 1 or code is StatusCode.UNSET:  # OK is final; UNSET ignored
             return
         self.status_code = _STATUS_CODE[code]
         self.status_message = (description or "") if code is StatusCode.ERROR else ""

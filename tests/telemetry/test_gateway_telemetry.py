@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -222,3 +223,50 @@ def test_metrics_count_what_was_sent(gw: ThreadedGateway, fake: FakeBackend) -> 
     assert value("sluice_telemetry_spans", "sluice_telemetry_spans_total",
                  result="dropped_queue_full") == 0
 
+
+
+def test_traces_and_metrics_over_otlp_grpc(fake: FakeBackend,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from loadtest.otlp_sink import OtlpGrpcReceiver
+    from telemetry.config import MetricsConfig
+
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    with OtlpGrpcReceiver() as rx:
+        cfg = config_for(fake.url).model_copy(update={"telemetry": TelemetryConfig(
+            traces=TracesConfig(exporter="otlp", endpoint=rx.endpoint, protocol="grpc"),
+            metrics=MetricsConfig(exporter="otlp", endpoint=rx.endpoint, protocol="grpc",
+                                  interval_s=0.1))})
+        with ThreadedGateway(cfg, tenants()) as g:
+            r = httpx.post(g.url + "/v1/chat/completions", json={**CHAT, "stream": True},
+                           headers={**auth(), "x-request-id": "over-grpc"}, timeout=30)
+            assert r.status_code == 200
+            root, children = request_tree(rx, "over-grpc", PHASES)  # type: ignore[arg-type]
+            assert root.resource["service.name"] == "sluice-gateway"
+            assert set(children) == PHASES
+
+            def counted(metrics: list[Any]) -> bool:
+                return any(m.name == "sluice_gateway_requests" and any(
+                    p["attributes"].get("outcome") == "success" and p["value"] == 1
+                    for p in m.points) for m in metrics)
+
+            rx.wait_for_metrics(counted, timeout=15)
+
+
+@pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
+def test_a_dead_collector_never_fails_a_request(fake: FakeBackend, protocol: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.backend.server.conftest import free_port
+
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "20")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "300")
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    cfg = config_for(fake.url).model_copy(update={"telemetry": TelemetryConfig(
+        traces=TracesConfig(exporter="otlp", endpoint=dead, protocol=protocol))})
+    with ThreadedGateway(cfg, tenants()) as g:
+        for stream in (True, False, True):
+            r = httpx.post(g.url + "/v1/chat/completions", json={**CHAT, "stream": stream},
+                           headers=auth(), timeout=30)
+            assert r.status_code == 200
+        tel = g.gateway.telemetry
+        assert tel.force_flush(10)
+        assert tel.spans.failed == 3 * (1 + len(PHASES)) and tel.spans.exported == 0
