@@ -401,14 +401,14 @@ class Exchange:
                 continue
             events = buf[:end].split(b"\n\n")
             buf = buf[end + 2:]
-            seen = rewriter.chunks
+            seen = rewriter.tokens
             out = [chunk for e in events if (chunk := rewriter.rewrite(e)) is not None]
             if out:
                 await send({"type": "http.response.body", "body": b"".join(out),
                             "more_body": True})
-                if rewriter.chunks > seen:
+                if rewriter.tokens > seen:
                     now = clock()
-                    if times.chunks(rewriter.chunks - seen, now):
+                    if times.chunks(rewriter.tokens - seen, now):
                         self.trace.first_token(now - times.received)
         if rewriter.error:
             self.outcome = "upstream_error"
@@ -448,7 +448,7 @@ class Exchange:
         chunks = 0
         if self.rewriter is not None:
             usage = self.rewriter.usage or {}
-            chunks = self.rewriter.chunks
+            chunks = self.rewriter.tokens
         if not self.accepted:
             # The upstream never took the request (unreachable, refused, cancelled first).
             prompt = completion = 0

@@ -24,6 +24,8 @@ DONE = b"data: [DONE]\n\n"
 dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 # A usage object: numbers and at most one level of nested objects (…_tokens_details).
 _USAGE_OBJECT = re.compile(rb"\{(?:[^{}]|\{[^{}]*\})*\}")
+# a non-empty "content" (chat delta) or "text" (completion): a chunk that carries tokens
+_TEXT = re.compile(rb'"(?:content|text)"\s*:\s*"(?!")')
 _FINISH = re.compile(rb'"finish_reason"\s*:\s*"([A-Za-z_]{1,32})"')
 
 
@@ -55,6 +57,7 @@ class ChunkRewriter:
         "fingerprint",
         "finish_reason",
         "model",
+        "tokens",
         "usage_seen",
     )
 
@@ -65,6 +68,7 @@ class ChunkRewriter:
         self.client_usage = client_usage
         self.client_continuous = client_continuous
         self.chunks = 0  # events with choices relayed
+        self.tokens = 0  # … of them, those carrying generated text (not a role or a finish)
         self.done = False  # [DONE] seen
         self.error = False  # an error event seen
         self.usage_seen = False
@@ -120,8 +124,13 @@ class ChunkRewriter:
         if choices:
             self.chunks += 1
             first = choices[0] if isinstance(choices, list) else None
-            if isinstance(first, dict) and isinstance(first.get("finish_reason"), str):
-                self.finish_reason = first["finish_reason"]
+            if isinstance(first, dict):
+                if isinstance(first.get("finish_reason"), str):
+                    self.finish_reason = first["finish_reason"]
+                delta = first.get("delta")
+                text = delta.get("content") if isinstance(delta, dict) else first.get("text")
+                if isinstance(text, str) and text:
+                    self.tokens += 1
         obj["model"] = self.model
         obj["system_fingerprint"] = self.fingerprint
         if not choices and usage is not None:  # the usage chunk
@@ -177,6 +186,8 @@ class ChunkRewriter:
             self.usage_seen = True
         if not usage_chunk:
             self.chunks += 1
+            if _TEXT.search(data) is not None:
+                self.tokens += 1
             at = data.find(b'"finish_reason"')
             if at >= 0:
                 m = _FINISH.match(data, at)

@@ -47,6 +47,9 @@ class TracesConfig(_Strict):
     protocol: Protocol = "http/protobuf"
     sampler: str = "parentbased_always_on"
     sampler_arg: float | None = Field(None, ge=0, le=1)
+    # Encode and send OTLP in a child process (python -m telemetry.shipper), off the
+    # serving process's CPU; false: on an export thread in the serving process.
+    export_process: bool = True
 
 
 class MetricsConfig(_Strict):
@@ -91,6 +94,7 @@ class Settings:
     max_batch_size: int
     metrics_interval_s: float
     max_label_values: int
+    export_process: bool = True
 
     @property
     def tracing(self) -> bool:
@@ -209,4 +213,5 @@ def resolve(config: TelemetryConfig | None, default_service: str,
         metrics_interval_s=max(0.05, _number(env, "OTEL_METRIC_EXPORT_INTERVAL",
                                              cfg.metrics.interval_s * 1000) / 1000),
         max_label_values=cfg.metrics.max_label_values,
+        export_process=cfg.traces.export_process,
     )

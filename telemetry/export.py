@@ -181,9 +181,9 @@ class BatchExporter:
         self._flushed = threading.Condition()
         self._flush_seq = 0
         self._clock = clock
-        self.exported = 0
+        self._sent = 0  # spans the transport took (delivered, unless it reports delivery)
         self.dropped = 0
-        self.failed = 0  # spans in batches the transport failed to deliver
+        self._failed = 0  # spans lost here: encoding errors, hand-over failures
         self._unlogged_failures = 0
         self._last_log = -_LOG_EVERY_S
         self._thread = threading.Thread(target=self._run, name="sluice-span-export",
@@ -205,7 +205,7 @@ class BatchExporter:
         try:
             q.append((1 + len(span.children), self.transport.prepare(span)))
         except Exception:  # a bad attribute value must not fail the request
-            self.failed += 1 + len(span.children)
+            self._failed += 1 + len(span.children)
             log.debug("encoding span %r failed", span.name, exc_info=True)
             return
         if len(q) == self.max_batch:
@@ -233,10 +233,22 @@ class BatchExporter:
                 spans += n
             try:
                 self.transport.send(batch)
-                self.exported += spans
+                self._sent += spans
             except Exception as exc:  # noqa: BLE001 - telemetry never breaks serving
-                self.failed += spans
+                self._failed += spans
                 self._log_failure(exc, spans)
+
+    @property
+    def exported(self) -> int:
+        """Spans delivered to the collector (as far as the transport can tell)."""
+        if getattr(self.transport, "reports_delivery", False):
+            return int(self.transport.exported)  # type: ignore[attr-defined]
+        return self._sent
+
+    @property
+    def failed(self) -> int:
+        """Spans lost to errors: here, or in the transport's own process."""
+        return self._failed + int(getattr(self.transport, "failed", 0))
 
     def _log_failure(self, exc: Exception, n: int) -> None:
         self._unlogged_failures += n
@@ -260,14 +272,18 @@ class BatchExporter:
                                               max(0.0, deadline - time.monotonic())):
                     return False
             if not self._queue:
-                return True
+                return self._flush_transport(max(0.0, deadline - time.monotonic()))
         return not self._queue
+
+    def _flush_transport(self, timeout_s: float) -> bool:
+        flush = getattr(self.transport, "flush", None)
+        return bool(flush(timeout_s)) if flush is not None else True
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout_s)
         try:
-            self.transport.close()
+            self.transport.close()  # the shipper sends what it holds, then exits
         except Exception:
             log.debug("closing the span transport failed", exc_info=True)

@@ -24,6 +24,7 @@ from .config import Settings, TelemetryConfig, resolve
 from .export import BatchExporter, Console, OtlpGrpc, OtlpHttp, Transport
 from .metrics import Family, Registry
 from .push import MetricsPusher
+from .shipper import ShipperTransport
 from .tracing import Sampler, TracerProvider
 
 log = logging.getLogger("sluice.telemetry")
@@ -91,6 +92,11 @@ class Telemetry:
         s = self.settings
         if s.traces.exporter == "console":
             return Console(self.resource)
+        if s.export_process:
+            return ShipperTransport({
+                "protocol": s.traces.protocol, "url": s.traces.url, "resource": self.resource,
+                "headers": s.headers, "timeout_s": s.timeout_s,
+                "max_batch": s.max_batch_size, "delay_s": s.schedule_delay_s})
         if s.traces.protocol == "grpc":
             return OtlpGrpc(s.traces.url, self.resource, s.headers, s.timeout_s)
         return OtlpHttp(s.traces.url, self.resource, s.headers, s.timeout_s)

@@ -22,7 +22,7 @@ def test_tiny_model_command_writes_the_same_bytes_as_the_cache(tmp_path: Path,
 
 def test_unknown_command_fails_with_usage() -> None:
     proc = subprocess.run([sys.executable, "-m", "sluice.cli", "no-such-command"],
-                          capture_output=True, text=True, timeout=60)
+                          check=False, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "invalid choice" in proc.stderr
 

@@ -69,6 +69,7 @@ def test_fast_path_equals_json_path(stream: tuple[list[bytes], bool, bool]) -> N
     slow = JsonOnly("public", "fp_gateway", client_usage, client_continuous)
     assert run(fast, events) == run(slow, events)
     assert fast.usage == slow.usage and fast.chunks == slow.chunks and fast.done
+    assert fast.tokens == slow.tokens and fast.finish_reason == slow.finish_reason
     assert fast._fast is not None  # the fast path was learned and used
 
 
