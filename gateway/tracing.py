@@ -9,6 +9,7 @@ here; ``telemetry`` builds the tracer behind it.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -104,16 +105,7 @@ class RequestTrace(NoTrace):
                 attrs[_NAMES.get(k, k)] = v
 
     def stamp(self, stamp: Stamp) -> None:
-        v = stamp.versions
-        self.attrs.update({
-            "gen_ai.response.model": stamp.model,
-            "sluice.model.revision": v.revision,
-            "sluice.tokenizer": v.tokenizer,
-            "sluice.chat_template": v.chat_template,
-            "sluice.engine": v.engine,
-            "sluice.policy": stamp.policy,
-            "sluice.system_fingerprint": stamp.fingerprint(),
-        })
+        self.attrs.update(_stamp_attributes(stamp))
 
     def first_token(self, ttft_s: float) -> None:
         ms = round(ttft_s * 1000, 3)
@@ -165,6 +157,21 @@ _NAMES = {
     "queue_ms": "sluice.queue_ms",
     "worst_case": "sluice.reserved_tokens",
 }
+
+
+@functools.lru_cache(maxsize=1024)
+def _stamp_attributes(stamp: Stamp) -> dict[str, Any]:
+    """The versions that produced an answer (the same for every request of a version)."""
+    v = stamp.versions
+    return {
+        "gen_ai.response.model": stamp.model,
+        "sluice.model.revision": v.revision,
+        "sluice.tokenizer": v.tokenizer,
+        "sluice.chat_template": v.chat_template,
+        "sluice.engine": v.engine,
+        "sluice.policy": stamp.policy,
+        "sluice.system_fingerprint": stamp.fingerprint(),
+    }
 
 
 def reject_reason(err: GatewayError) -> str:

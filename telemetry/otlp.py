@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .tracing import Span
 
+Record = tuple[Any, ...]  # see to_record
+
 _pack_d = struct.Struct("<d").pack
 _pack_q = struct.Struct("<Q").pack
 _pack_i = struct.Struct("<I").pack
@@ -130,57 +132,60 @@ class Encoder:
             out = self._names[name] = _str(5, name)
         return out
 
-    def span(self, s: Span, ids: bytes | None = None) -> bytes:
-        """``Span``: trace_id 1, span_id 2, trace_state 3, parent_span_id 4, name 5, kind 6,
-        start 7, end 8, attributes 9, events 11, links 13, status 15, flags 16. ``ids``:
-        the trace id field, already encoded (children share their parent's)."""
-        ctx = s.context
-        if ids is None:
-            ids = b"\x0a\x10" + ctx.trace_id.to_bytes(16, "big")
-        out = [ids + b"\x12\x08" + ctx.span_id.to_bytes(8, "big")
-               + (b"\x22\x08" + s.parent_id.to_bytes(8, "big") if s.parent_id else b"")
-               + self._name(s.name) + _KIND[s.kind_code] + b"\x39" + _pack_q(s.start_ns)
-               + b"\x41" + _pack_q(s.end_ns or s.start_ns)]
-        state = _str(3, ctx.trace_state.to_header()) if ctx.trace_state else b""
-        if state:
-            out.append(state)
-        if s.attributes:
-            out.append(self.attributes(9, s.attributes))
-        for event, t_ns, attrs in s.events:
+    def span(self, s: Span) -> bytes:
+        return self.record(to_record(s))
+
+    def record(self, r: Record) -> bytes:
+        """A span tree (``to_record``) as ``ScopeSpans.spans`` fields. ``Span``: trace_id 1,
+        span_id 2, trace_state 3, parent_span_id 4, name 5, kind 6, start 7, end 8,
+        attributes 9, events 11, links 13, status 15, flags 16."""
+        (_, trace_id, span_id, flags, state_header, parent_id, parent_remote, name, kind,
+         start, end, attrs, events, links, status_code, status_message, children) = r
+        ids = b"\x0a\x10" + trace_id.to_bytes(16, "big")
+        own = span_id.to_bytes(8, "big")
+        state = _str(3, state_header) if state_header else b""
+        out = [ids + b"\x12\x08" + own + state
+               + (b"\x22\x08" + parent_id.to_bytes(8, "big") if parent_id else b"")
+               + self._name(name) + _KIND[kind] + b"\x39" + _pack_q(start)
+               + b"\x41" + _pack_q(end or start)]
+        if attrs:
+            out.append(self.attributes(9, attrs))
+        for event, t_ns, event_attrs in events:
             # Event: time 1 (fixed64), name 2, attributes 3
             out.append(_ld(11, b"\x09" + _pack_q(t_ns) + _str(2, event)
-                           + (self.attributes(3, attrs) if attrs else b"")))
-        for link in s.links:
-            lc = link.context
-            out.append(_ld(13, b"\x0a\x10" + lc.trace_id.to_bytes(16, "big") + b"\x12\x08"
-                           + lc.span_id.to_bytes(8, "big")
-                           + (self.attributes(4, link.attributes) if link.attributes
-                              else b"")))
-        if s.status_code:
+                           + (self.attributes(3, event_attrs) if event_attrs else b"")))
+        for link_trace, link_span, link_attrs in links:
+            out.append(_ld(13, b"\x0a\x10" + link_trace.to_bytes(16, "big") + b"\x12\x08"
+                           + link_span.to_bytes(8, "big")
+                           + (self.attributes(4, link_attrs) if link_attrs else b"")))
+        if status_code:
             # Status: message 2, code 3
-            status = (_str(2, s.status_message) if s.status_message else b"") \
-                + b"\x18" + _varint(s.status_code)
+            status = (_str(2, status_message) if status_message else b"") \
+                + b"\x18" + _varint(status_code)
             out.append(_ld(15, status))
-        flags = int(ctx.trace_flags) | 0x100 | (0x200 if s.parent_remote else 0)
-        out.append(b"\x85\x01" + _pack_i(flags))  # field 16, fixed32
-        encoded = _ld(2, b"".join(out))  # as ScopeSpans.spans (2)
-        if not s.children:
+        out.append(b"\x85\x01" + _pack_i(flags | 0x100 | (0x200 if parent_remote else 0)))
+        encoded = _ld(2, b"".join(out))
+        if not children:
             return encoded
-        parent = b"\x22\x08" + ctx.span_id.to_bytes(8, "big")
-        tail = b"\x85\x01" + _pack_i(int(ctx.trace_flags) | 0x100)
+        parent = b"\x22\x08" + own
+        tail = b"\x85\x01" + _pack_i(flags | 0x100)
         parts = [encoded]
-        for c in s.children:
-            body = (ids + b"\x12\x08" + c.span_id.to_bytes(8, "big") + state + parent
-                    + self._name(c.name) + _KIND[c.kind_code] + b"\x39" + _pack_q(c.start_ns)
-                    + b"\x41" + _pack_q(c.end_ns)
-                    + (self.attributes(9, c.attributes) if c.attributes else b"") + tail)
+        for c_name, c_id, c_start, c_end, c_attrs, c_kind in children:
+            body = (ids + b"\x12\x08" + c_id.to_bytes(8, "big") + state + parent
+                    + self._name(c_name) + _KIND[c_kind] + b"\x39" + _pack_q(c_start)
+                    + b"\x41" + _pack_q(c_end)
+                    + (self.attributes(9, c_attrs) if c_attrs else b"") + tail)
             parts.append(_ld(2, body))
         return b"".join(parts)
 
     def prepare(self, s: Span) -> tuple[tuple[str, str], bytes, int]:
         """A finished span (and its batched children) as (scope, encoding, span count),
         ready for ``request``."""
-        return s.scope, self.span(s), 1 + len(s.children)
+        return self.prepare_record(to_record(s))
+
+    def prepare_record(self, r: Record) -> tuple[tuple[str, str], bytes, int]:
+        scope = (str(r[0][0]), str(r[0][1]))  # marshal keeps tuples, but be exact
+        return scope, self.record(r), 1 + len(r[16])
 
     def request(self, items: Iterable[tuple[tuple[str, str], bytes, int]]) -> bytes:
         """``ExportTraceServiceRequest`` → ResourceSpans (1) → ScopeSpans (2) per scope."""
@@ -188,11 +193,25 @@ class Encoder:
         for scope, encoded, _ in items:
             by_scope.setdefault(scope, []).append(encoded)
         scopes = []
-        for scope, encoded in by_scope.items():
+        for scope, spans in by_scope.items():
             head = self._scopes.get(scope)
             if head is None:
                 name, version = scope
                 head = self._scopes[scope] = _ld(1, _str(1, name)
                                                  + (_str(2, version) if version else b""))
-            scopes.append(_ld(2, head + b"".join(encoded)))
+            scopes.append(_ld(2, head + b"".join(spans)))
         return _ld(1, self._resource + b"".join(scopes))
+
+
+def to_record(s: Span) -> Record:
+    """A finished span tree as plain values: what the encoder reads, and what ``marshal``
+    carries to the shipper process (telemetry.shipper)."""
+    ctx = s.context
+    return (s.scope, ctx.trace_id, ctx.span_id, int(ctx.trace_flags),
+            ctx.trace_state.to_header() if ctx.trace_state else "", s.parent_id,
+            s.parent_remote, s.name, s.kind_code, s.start_ns, s.end_ns, s.attributes,
+            s.events, [(lk.context.trace_id, lk.context.span_id,
+                        dict(lk.attributes) if lk.attributes else None) for lk in s.links],
+            s.status_code, s.status_message,
+            [(c.name, c.span_id, c.start_ns, c.end_ns, c.attributes, c.kind_code)
+             for c in s.children])

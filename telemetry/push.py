@@ -48,7 +48,8 @@ def metrics_data(families: list[Family], resource: Mapping[str, Any], start_ns: 
             data = Histogram([HistogramDataPoint(
                 attributes=dict(lb), start_time_unix_nano=start_ns, time_unix_nano=now,
                 count=p.count, sum=p.sum, bucket_counts=list(p.counts),
-                explicit_bounds=list(p.bounds), min=None, max=None)  # unknown: not sent
+                explicit_bounds=list(p.bounds),
+                min=None, max=None)  # type: ignore[arg-type]  # unknown: None is not sent
                 for lb, p in fam.points], cumulative)
         else:
             if not fam.samples:

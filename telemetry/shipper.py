@@ -30,6 +30,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .otlp import to_record
 from .tracing import Span
 
 log = logging.getLogger("sluice.telemetry")
@@ -37,56 +38,6 @@ log = logging.getLogger("sluice.telemetry")
 _LEN = struct.Struct("<I")
 _RESTART_EVERY_S = 5.0
 _LOG_EVERY_S = 30.0
-
-Record = tuple[Any, ...]
-
-
-def to_record(s: Span) -> Record:
-    """A finished span tree as plain values (what ``marshal`` takes)."""
-    ctx = s.context
-    state = ctx.trace_state.to_header() if ctx.trace_state else ""
-    return (s.scope, ctx.trace_id, ctx.span_id, int(ctx.trace_flags), state, s.parent_id,
-            s.parent_remote, s.name, s.kind_code, s.start_ns, s.end_ns, s.attributes,
-            s.events, [(lk.context.trace_id, lk.context.span_id, dict(lk.attributes or {}))
-                       for lk in s.links],
-            s.status_code, s.status_message,
-            [(c.name, c.span_id, c.start_ns, c.end_ns, c.attributes, c.kind_code)
-             for c in s.children])
-
-
-class _State:
-    __slots__ = ("header",)
-
-    def __init__(self, header: str) -> None:
-        self.header = header
-
-    def to_header(self) -> str:
-        return self.header
-
-    def __bool__(self) -> bool:
-        return bool(self.header)
-
-
-class _Obj:
-    """Attribute bag: the shape ``otlp.Encoder.span`` reads from a Span."""
-
-    def __init__(self, **kw: Any) -> None:
-        self.__dict__.update(kw)
-
-
-def from_record(r: Record) -> Any:
-    (scope, trace_id, span_id, flags, state, parent_id, parent_remote, name, kind_code,
-     start, end, attrs, events, links, status_code, status_message, children) = r
-    ctx = _Obj(trace_id=trace_id, span_id=span_id, trace_flags=flags,
-               trace_state=_State(state) if state else None)
-    return _Obj(
-        scope=tuple(scope), context=ctx, parent_id=parent_id, parent_remote=parent_remote,
-        name=name, kind_code=kind_code, start_ns=start, end_ns=end, attributes=attrs,
-        events=events, status_code=status_code, status_message=status_message,
-        links=[_Obj(context=_Obj(trace_id=t, span_id=sp), attributes=a) for t, sp, a in links],
-        children=[_Obj(name=n, span_id=i, start_ns=s0, end_ns=s1, attributes=a, kind_code=k)
-                  for n, i, s0, s1, a, k in children])
-
 
 class ShipperTransport:
     """The parent's end (a ``Transport`` for ``BatchExporter``)."""

@@ -14,7 +14,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from telemetry.shipper import _LEN, _LOG_EVERY_S, from_record
+from telemetry.shipper import _LEN, _LOG_EVERY_S
 
 log = logging.getLogger("sluice.telemetry")
 
@@ -80,7 +80,7 @@ def main() -> int:
                 out.flush()
                 continue
             try:
-                item = encoder.prepare(from_record(marshal.loads(frame)))
+                item = encoder.prepare_record(marshal.loads(frame))
             except Exception:  # one bad record must not stop the rest
                 log.warning("a span record could not be encoded", exc_info=True)
                 out.write("fail 1\n")

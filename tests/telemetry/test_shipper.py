@@ -14,8 +14,8 @@ from opentelemetry import trace
 from loadtest.otlp_sink import OtlpReceiver
 from telemetry import Telemetry, record_phase
 from telemetry import shipper as shipper_mod
-from telemetry.otlp import Encoder
-from telemetry.shipper import ShipperTransport, from_record, to_record
+from telemetry.otlp import Encoder, to_record
+from telemetry.shipper import ShipperTransport
 from telemetry.tracing import Sampler, Span, TracerProvider
 
 RESOURCE = {"service.name": "test"}
@@ -53,7 +53,7 @@ def test_a_record_encodes_exactly_like_the_span() -> None:
     span = finished_tree()
     enc = Encoder(RESOURCE)
     record = marshal.loads(marshal.dumps(to_record(span)))
-    assert Encoder(RESOURCE).prepare(from_record(record)) == enc.prepare(span)
+    assert Encoder(RESOURCE).prepare_record(record) == enc.prepare(span)
 
 
 def test_spans_cross_to_the_collector_and_are_counted(rx: OtlpReceiver) -> None:
