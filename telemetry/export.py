@@ -174,7 +174,10 @@ class BatchExporter:
         self.transport = transport
         self.max_queue = max_queue
         self.max_batch = max_batch
-        self.delay = schedule_delay_s
+        # A transport with its own batching (the shipper) gets spans every 50 ms: its work
+        # then comes in small steady slices, not a second's worth in one burst that takes
+        # a core away from the serving process for tens of milliseconds.
+        self.delay = min(schedule_delay_s, getattr(transport, "handoff_s", schedule_delay_s))
         self._queue: deque[Any] = deque()
         self._wake = threading.Event()
         self._stop = False

@@ -43,6 +43,7 @@ class ShipperTransport:
     """The parent's end (a ``Transport`` for ``BatchExporter``)."""
 
     reports_delivery = True  # exported/failed come from the shipper, not from send()
+    handoff_s = 0.05  # BatchExporter hands spans over this often; the shipper batches them
 
     def __init__(self, settings: Mapping[str, Any]) -> None:
         self._settings = json.dumps(dict(settings)).encode() + b"\n"

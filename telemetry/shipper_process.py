@@ -30,6 +30,13 @@ def _transport(cfg: Mapping[str, Any]) -> Any:
 def main() -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Background work: on a busy machine the serving process and its clients come first;
+    # the shipper catches up when they leave a core idle (its pipe and the parent's bounded
+    # queue absorb the lag, and spans past that are dropped and counted, never waited for).
+    try:
+        os.nice(10)
+    except OSError:
+        pass
     fd = sys.stdin.fileno()
     # Raw reads only: a buffered reader would read frames past the settings line into its
     # own buffer, where the os.read loop below would never see them.
