@@ -35,6 +35,7 @@ _UNSAMPLED = TraceFlags(TraceFlags.DEFAULT)
 _MAX_ATTRIBUTES = 128
 _MAX_EVENTS = 128
 _KIND_CODE = {k: k.value + 1 for k in SpanKind}  # the API's INTERNAL=0 is the proto's 1
+_INTERNAL, _CLIENT = SpanKind.INTERNAL, SpanKind.CLIENT
 _STATUS_CODE = {StatusCode.UNSET: 0, StatusCode.OK: 1, StatusCode.ERROR: 2}
 
 
@@ -185,7 +186,8 @@ class Child:
         self.start_ns = start_ns
         self.end_ns = end_ns
         self.attributes = attributes
-        self.kind_code = _KIND_CODE[kind]
+        # identity tests first: hashing an enum member runs Python code
+        self.kind_code = 1 if kind is _INTERNAL else 3 if kind is _CLIENT else _KIND_CODE[kind]
 
     def as_span(self, parent: Span) -> Span:
         ctx = SpanContext(parent.context.trace_id, self.span_id, False, _SAMPLED,
@@ -270,9 +272,13 @@ def record_phase(tracer: trace.Tracer, parent: trace.Span, name: str, start_ns: 
                  kind: SpanKind = SpanKind.INTERNAL, span_id: int = 0) -> None:
     """A finished child span of ``parent`` from its two timestamps: batched with the parent
     (``Child``) when the parent is ours, through the tracer for any other implementation."""
-    if isinstance(parent, Span):
-        parent.add_child(Child(name, span_id or new_span_id(), start_ns, end_ns, attributes,
-                               kind))
+    if type(parent) is Span:
+        child = Child(name, span_id or random.getrandbits(64) or 1, start_ns, end_ns,
+                      attributes, kind)
+        if parent.end_ns == 0:
+            parent.children.append(child)
+        else:
+            parent.add_child(child)
     elif parent.is_recording():
         span = tracer.start_span(name, set_span_in_context(parent), kind, attributes,
                                  start_time=start_ns)
