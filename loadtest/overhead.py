@@ -17,16 +17,13 @@ See docs/overhead.md.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import math
 import os
 import platform
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -50,7 +47,7 @@ from loadtest.redis_mode import (
     redis_summary,
     store_errors_note,
 )
-from loadtest.report import say, verdict
+from loadtest.report import run_bench, say, verdict
 
 CHUNKS = 20
 
@@ -325,26 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.redis and args.self_check:
         parser.error("--self-check measures no gateway: it takes no --redis")
     plan = Plan.quick(args.rate) if args.quick else Plan(rate=args.rate)
-    try:
-        import uvloop
-    except ImportError:  # the default loop works, with more client overhead
-        run: Any = asyncio.run
-    else:
-        run = uvloop.run
-    # Ctrl-C, SIGINT and SIGTERM all stop the servers: a shell starts a background job with
-    # SIGINT ignored, and SIGTERM would otherwise end the bench without its cleanup.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
-    with tempfile.TemporaryDirectory(prefix="sluice-overhead-") as tmp, \
-            contextlib.ExitStack() as stack:
-        try:
-            report = run(_bench(args, plan, Path(tmp), stack))
-        except procs.TargetError as exc:
-            print(f"overhead bench: a server did not start: {exc}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            print("overhead bench: interrupted; servers stopped", file=sys.stderr)
-            return 130
+    status, report = run_bench("overhead", lambda tmp, stack: _bench(args, plan, tmp, stack))
+    if status:
+        return status
     if args.litellm:
         report["litellm_version"] = _litellm_version(args.litellm)
     if args.json:

@@ -21,13 +21,10 @@ Each gateway's /metrics is read afterwards: the traced one must have exported ev
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import math
-import signal
 import sys
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -46,7 +43,7 @@ from loadtest.measure import (
     warm_up,
 )
 from loadtest.overhead import CHUNKS, Plan, _table
-from loadtest.report import say, verdict
+from loadtest.report import run_bench, say, verdict
 
 GOAL_RATE_RATIO = 0.9
 
@@ -191,24 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # three bisections: the ladder's gaps (<= 500/s) narrowed to <= 65/s
     plan = Plan.quick(args.rate) if args.quick else Plan(rate=args.rate, refinements=3)
-    try:
-        import uvloop
-    except ImportError:
-        run: Any = asyncio.run
-    else:
-        run = uvloop.run
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
-    with tempfile.TemporaryDirectory(prefix="sluice-tracing-") as tmp, \
-            contextlib.ExitStack() as stack:
-        try:
-            report = run(_bench(plan, Path(tmp), stack))
-        except procs.TargetError as exc:
-            print(f"tracing bench: a server did not start: {exc}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            print("tracing bench: interrupted; servers stopped", file=sys.stderr)
-            return 130
+    status, report = run_bench("tracing", lambda tmp, stack: _bench(plan, tmp, stack))
+    if status:
+        return status
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
         say(f"wrote {args.json}")
