@@ -59,8 +59,8 @@ from .tracing import (
     RESERVE,
     SETTLE,
     UPSTREAM,
-    RequestTrace,
     reject_reason,
+    request_trace,
 )
 from .upstream import RESOLVED_HEADER, UpstreamError
 from .usage import Settlement
@@ -89,8 +89,8 @@ class ProxyEndpoint:
         gw: Gateway = self.app_state.gateway
         times = RequestTimes(time.monotonic())
         request_id = clean_request_id(header(scope, b"x-request-id")) or uuid.uuid4().hex
-        trace = RequestTrace(gw.tracer, self.route, request_id, header(scope, b"traceparent"),
-                             header(scope, b"tracestate")) if gw.telemetry.tracing else NO_TRACE
+        trace = request_trace(gw.tracer, self.route, request_id, header(scope, b"traceparent"),
+                              header(scope, b"tracestate")) if gw.telemetry.tracing else NO_TRACE
         reply = Reply(send, request_id, self.route, gw.metrics, trace)
         exchange: Exchange | None = None
         try:

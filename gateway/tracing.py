@@ -64,6 +64,28 @@ class NoTrace:
 NO_TRACE = NoTrace()
 
 
+class Unsampled(NoTrace):
+    """A request the sampler left out: nothing is recorded, but the trace context still
+    travels upstream (sampled flag off), so the next hop makes the same decision."""
+
+    __slots__ = ("_traceparent",)
+
+    def __init__(self, root: trace.Span) -> None:
+        ctx = root.get_span_context()
+        self._traceparent = (f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-"
+                             f"{int(ctx.trace_flags):02x}").encode()
+
+    def upstream_headers(self, span: Any) -> list[tuple[bytes, bytes]]:
+        return [(b"traceparent", self._traceparent)]
+
+
+def request_trace(tracer: trace.Tracer, route: str, request_id: str,
+                  traceparent_header: bytes | None, tracestate: bytes | None) -> NoTrace:
+    """The request's trace: recording, or only propagating when not sampled."""
+    rt = RequestTrace(tracer, route, request_id, traceparent_header, tracestate)
+    return rt if rt.root.is_recording() else Unsampled(rt.root)
+
+
 Phase = tuple[str, int, "dict[str, Any] | None", int]  # name, start ns, attributes, span id
 
 

@@ -274,3 +274,28 @@ def test_a_dead_collector_never_fails_a_request(fake: FakeBackend, protocol: str
         while tel.spans.failed < expected and time.monotonic() < deadline:
             tel.force_flush(1)
         assert tel.spans.failed == expected and tel.spans.exported == 0
+
+
+def test_an_unsampled_request_records_nothing_but_passes_the_trace_on(
+        fake: FakeBackend, receiver: OtlpReceiver, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0")  # no new trace is ever sampled
+    with ThreadedGateway(traced(config_for(fake.url), receiver.endpoint), tenants()) as g:
+        r = httpx.post(g.url + "/v1/chat/completions", json=CHAT,
+                       headers={**auth(), "x-request-id": "unsampled"}, timeout=30)
+        assert r.status_code == 200
+        sent = fake.headers[-1]["traceparent"]
+        assert sent.endswith("-00")  # propagated, not sampled
+        # a client's sampled trace is followed (parent-based), and recorded
+        r = httpx.post(g.url + "/v1/chat/completions", json=CHAT, timeout=30,
+                       headers={**auth(), "x-request-id": "followed",
+                                "traceparent": f"00-{PARENT_TRACE}-{PARENT_SPAN}-01"})
+        assert r.status_code == 200
+        assert fake.headers[-1]["traceparent"].startswith(f"00-{PARENT_TRACE}-")
+        root, _ = request_tree(receiver, "followed", PHASES)
+        assert root.trace_id == PARENT_TRACE
+        assert g.gateway.telemetry.force_flush(5)
+    assert not [s for s in receiver.spans()
+                if s.attributes.get("sluice.request.id") == "unsampled"]
+    assert sent.split("-")[1] != PARENT_TRACE
