@@ -29,13 +29,12 @@ SLO_LABELS = ("tenant", "model", "priority_class")
 class RequestTimes:
     """Monotonic timestamps of one request as the gateway saw it."""
 
-    __slots__ = ("first", "itl", "last", "received", "tokens_seen")
+    __slots__ = ("first", "itl", "last", "received")
 
     def __init__(self, received: float) -> None:
         self.received = received
         self.first: float | None = None  # first content chunk relayed
         self.last: float | None = None  # last content chunk relayed
-        self.tokens_seen = 0  # content chunks relayed
         self.itl: HistogramPoint | None = None  # this request's ITL histogram point
 
     def chunks(self, n: int, now: float) -> bool:
@@ -52,7 +51,6 @@ class RequestTimes:
             for _ in range(n - 1):  # chunks read together arrived together
                 itl.observe(0.0)
         self.last = now
-        self.tokens_seen += n
         return first
 
 

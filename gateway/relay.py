@@ -62,14 +62,13 @@ from .tracing import (
     reject_reason,
     request_trace,
 )
-from .upstream import RESOLVED_HEADER, UpstreamError
+from .upstream import RESOLVED_HEADER, UPSTREAM_RETRY_AFTER_S, UpstreamError, error_from
 from .usage import Settlement
 
 log = logging.getLogger("sluice.gateway.relay")
 
 MAX_EVENT_BYTES = 4 * 1024 * 1024  # one SSE event from the upstream; more is a broken stream
 MAX_WHOLE_BYTES = 64 * 1024 * 1024  # one non-streamed answer
-UPSTREAM_RETRY_AFTER_S = 1.0
 
 
 class ProxyEndpoint:
@@ -328,7 +327,7 @@ class Exchange:
         self.upstream_status = resp.status
         try:
             if resp.status != 200:
-                raise await _upstream_error(resp, up.name)
+                raise await error_from(resp, up.name)
             self.accepted = True
             await self._check_versions(p, resp)
             if p.stream:
@@ -479,39 +478,3 @@ class Exchange:
 
 def _int(value: Any, default: int) -> int:
     return value if isinstance(value, int) and value >= 0 else default
-
-
-async def _upstream_error(resp: Response, model: str) -> GatewayError:
-    """The client-facing error for an upstream's non-200 answer (never its internals)."""
-    try:
-        raw = await resp.read(64 * 1024)
-    except (ProtocolFailed, ReadTimeout):
-        raw = b""
-    status = resp.status
-    message = code = param = None
-    try:
-        err = json.loads(raw).get("error")
-        if isinstance(err, dict):
-            message, code, param = err.get("message"), err.get("code"), err.get("param")
-        elif isinstance(err, str):
-            message = err
-    except (ValueError, AttributeError):
-        pass
-    if status >= 500 or status in (401, 403, 404):
-        # 401/403/404 from the upstream mean the gateway is misconfigured, not the client.
-        log.warning("model %s: upstream answered %d: %s", model, status, message)
-        if status == 503:
-            retry = resp.header("retry-after")
-            wait = float(retry) if retry and retry.isdigit() else UPSTREAM_RETRY_AFTER_S
-            return ServiceUnavailable(f"the model {model!r} is unavailable right now",
-                                      retry_after_s=wait)
-        return BadGateway(f"the model {model!r} failed (upstream HTTP {status})")
-    out = GatewayError(str(message) if message else f"the model refused the request "
-                       f"(HTTP {status})", str(param) if isinstance(param, str) else None,
-                       code=str(code) if code is not None else None)
-    out.status = status
-    out.type = "invalid_request_error"
-    if status == 429:
-        retry = resp.header("retry-after")
-        out.retry_after_s = float(retry) if retry and retry.isdigit() else None
-    return out

@@ -9,6 +9,7 @@ never switches a request in flight.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -16,7 +17,8 @@ import time
 import httpx
 
 from .config import GatewayConfig, ModelEntry, StaticVersions
-from .http_client import Pool
+from .errors import BadGateway, GatewayError, ServiceUnavailable
+from .http_client import Pool, ProtocolFailed, ReadTimeout, Response
 from .stamp import UpstreamVersions
 from .tokens import ByteCounter, LocalCounter, TokenCounter, UpstreamCounter
 
@@ -166,3 +168,42 @@ class Upstream:
     async def aclose(self) -> None:
         self.pool.close()
         await self.client.aclose()
+
+
+UPSTREAM_RETRY_AFTER_S = 1.0  # when an unavailable upstream names no Retry-After
+
+
+async def error_from(resp: Response, model: str) -> GatewayError:
+    """The client-facing error for an upstream's non-200 answer (never its internals)."""
+    try:
+        raw = await resp.read(64 * 1024)
+    except (ProtocolFailed, ReadTimeout):
+        raw = b""
+    status = resp.status
+    message = code = param = None
+    try:
+        err = json.loads(raw).get("error")
+        if isinstance(err, dict):
+            message, code, param = err.get("message"), err.get("code"), err.get("param")
+        elif isinstance(err, str):
+            message = err
+    except (ValueError, AttributeError):
+        pass
+    if status >= 500 or status in (401, 403, 404):
+        # 401/403/404 from the upstream mean the gateway is misconfigured, not the client.
+        log.warning("model %s: upstream answered %d: %s", model, status, message)
+        if status == 503:
+            retry = resp.header("retry-after")
+            wait = float(retry) if retry and retry.isdigit() else UPSTREAM_RETRY_AFTER_S
+            return ServiceUnavailable(f"the model {model!r} is unavailable right now",
+                                      retry_after_s=wait)
+        return BadGateway(f"the model {model!r} failed (upstream HTTP {status})")
+    out = GatewayError(str(message) if message else f"the model refused the request "
+                       f"(HTTP {status})", str(param) if isinstance(param, str) else None,
+                       code=str(code) if code is not None else None)
+    out.status = status
+    out.type = "invalid_request_error"
+    if status == 429:
+        retry = resp.header("retry-after")
+        out.retry_after_s = float(retry) if retry and retry.isdigit() else None
+    return out

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import platform
@@ -47,7 +46,7 @@ from loadtest.redis_mode import (
     redis_summary,
     store_errors_note,
 )
-from loadtest.report import run_bench, say, verdict
+from loadtest.report import run_bench, say, verdict, write_report
 
 CHUNKS = 20
 
@@ -327,9 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         return status
     if args.litellm:
         report["litellm_version"] = _litellm_version(args.litellm)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
-        say(f"wrote {args.json}")
+    write_report(args.json, report)
     return 0
 
 

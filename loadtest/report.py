@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import sys
 import tempfile
@@ -54,3 +55,10 @@ def run_bench(name: str, bench: Callable[[Path, contextlib.ExitStack], Awaitable
         except KeyboardInterrupt:
             print(f"{name} bench: interrupted; servers stopped", file=sys.stderr)
             return 130, None
+
+
+def write_report(path: Path | None, report: Any) -> None:
+    """``--json FILE``: every figure of the run, as JSON."""
+    if path is not None:
+        path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        say(f"wrote {path}")

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import sys
 from dataclasses import asdict
@@ -43,7 +42,7 @@ from loadtest.measure import (
     warm_up,
 )
 from loadtest.overhead import CHUNKS, Plan, _table
-from loadtest.report import run_bench, say, verdict
+from loadtest.report import run_bench, say, verdict, write_report
 
 GOAL_RATE_RATIO = 0.9
 
@@ -191,9 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     status, report = run_bench("tracing", lambda tmp, stack: _bench(plan, tmp, stack))
     if status:
         return status
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
-        say(f"wrote {args.json}")
+    write_report(args.json, report)
     return 0
 
 

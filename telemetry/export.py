@@ -196,10 +196,11 @@ class BatchExporter:
     def __call__(self, span: Span) -> None:
         """Called by ``Span.end()`` on the request's thread; never raises.
 
-        The span is encoded here, not on the export thread: the queue then holds bytes,
-        which the garbage collector does not track. Queued span objects (dicts, lists) live
-        long enough to reach the oldest generation and make full collections frequent and
-        long: tens of milliseconds of pause at a few hundred requests a second.
+        The transport's ``prepare`` runs here, not on the export thread: the queue then
+        holds bytes (encoded OTLP, or a marshal'd record for the shipper), which the garbage
+        collector does not track. Queued span objects (dicts, lists) live long enough to
+        reach the oldest generation and make full collections frequent and long: tens of
+        milliseconds of pause at a few hundred requests a second.
         """
         q = self._queue
         if len(q) >= self.max_queue:
