@@ -30,9 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     from gateway.cli import register as register_gateway
     from loadtest.cli import register as register_loadtest
 
+    from .plan_cli import register as register_plan
+
     register_backend(sub)
     register_gateway(sub)
     register_loadtest(sub)
+    register_plan(sub)
     return parser
 
 
