@@ -28,9 +28,9 @@ from telemetry.config import resolve as resolve_telemetry
 from .admin import admin_routes
 from .client_io import clean_request_id, header
 from .config import GatewayConfig, TenantsFile
+from .endpoint import ProxyEndpoint
 from .errors import GatewayError, InternalError, MethodNotAllowed, NotFound
 from .metrics import CONTENT_TYPE
-from .relay import ProxyEndpoint
 from .service import Gateway
 
 log = logging.getLogger("sluice.gateway")

@@ -1,7 +1,8 @@
 """The client's side of a generation request: reading the request, writing the answer.
 
 ``Reply`` is what the relay writes through: ``start`` adds ``x-request-id`` and counts the
-status, body messages go straight to the server's ``send`` (no wrapper per SSE event).
+status, body messages go to the server's ``send`` through one wrapper, the stall timeout
+(``endpoint.bounded_send``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ MAX_REQUEST_ID_LEN = 128
 
 class ClientGone(Exception):
     """The client disconnected while the body was being read."""
+
+
+class ClientStalled(Exception):
+    """The client took no bytes for longer than ``timeouts.client_stall_s``."""
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:

@@ -57,9 +57,24 @@ class Listen(_Strict):
 
 
 class Timeouts(_Strict):
+    """Four separate limits, each with its own error (docs/resilience.md#timeouts)."""
+
     connect_s: float = Field(5.0, gt=0)
-    # Longest wait for any byte from the upstream (first byte and gaps between chunks).
+    # Longest wait for any byte from the upstream: the default of first_byte_s and idle_s.
     read_s: float = Field(600.0, gt=0)
+    first_byte_s: float | None = Field(None, gt=0)  # request sent -> the answer's headers
+    idle_s: float | None = Field(None, gt=0)  # longest gap between two chunks of an answer
+    total_s: float | None = Field(None, gt=0)  # request received -> answer ended (a deadline)
+    # A client whose socket takes no bytes for this long is cancelled (its upstream aborted).
+    client_stall_s: float = Field(30.0, gt=0)
+
+    @property
+    def first_byte(self) -> float:
+        return self.first_byte_s or self.read_s
+
+    @property
+    def idle(self) -> float:
+        return self.idle_s or self.read_s
 
 
 class StaticVersions(_Strict):
@@ -78,9 +93,35 @@ class Capacity(_Strict):
     max_seqs: int | None = Field(None, ge=1)  # sequences in one batch
 
 
+class MemberEntry(_Strict):
+    """One server of a model's pool."""
+
+    url: str
+    kind: Literal["sluice", "openai"] | None = None  # default: the model's kind
+    weight: float = Field(1.0, gt=0)  # a bigger server takes a bigger share of the load
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        return _base_url(v)
+
+
+def _base_url(v: str) -> str:
+    if not re.match(r"^https?://[^/\s]+", v):
+        raise ValueError("upstream must be an http(s) base URL such as http://127.0.0.1:8001")
+    return v.rstrip("/").removesuffix("/v1")
+
+
 class ModelEntry(_Strict):
     name: str = Field(min_length=1, max_length=256)
-    upstream: str
+    upstream: str  # the only server, or the first of ``upstreams``
+    # A pool: several servers of the same model (URLs, or {url, kind, weight}).
+    upstreams: list[MemberEntry] | None = None
+    # least_load: fewest in-flight worst-case tokens per weight; prefix: a consistent hash
+    # of the tenant and the prompt's start (prefix-cache hits), within load_bound × average
+    routing: Literal["least_load", "prefix"] = "least_load"
+    prefix_chars: int = Field(256, ge=1)  # how much of the prompt's start the hash reads
+    load_bound: float = Field(1.25, ge=1.0)
     kind: Literal["sluice", "openai"] = "openai"
     upstream_model: str | None = None
     # auto | upstream (its /v1/tokenize) | bytes (UTF-8 upper bound) | local:PATH | local:tiny
@@ -102,13 +143,30 @@ class ModelEntry(_Strict):
                              "or surrounding spaces")
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _pool(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("upstreams") is None:
+            return data
+        members = [{"url": m} if isinstance(m, str) else m for m in data["upstreams"]]
+        if not members:
+            raise ValueError("upstreams must list at least one server")
+        if data.get("upstream") is not None:
+            raise ValueError("give either upstream (one server) or upstreams (a pool)")
+        first = members[0]
+        return {**data, "upstreams": members,
+                "upstream": first.get("url") if isinstance(first, dict) else first}
+
     @field_validator("upstream")
     @classmethod
     def _url(cls, v: str) -> str:
-        if not re.match(r"^https?://[^/\s]+", v):
-            raise ValueError("upstream must be an http(s) base URL such as http://127.0.0.1:8001")
-        v = v.rstrip("/")
-        return v.removesuffix("/v1")
+        return _base_url(v)
+
+    @property
+    def members(self) -> list[MemberEntry]:
+        """The pool's servers (one for the ``upstream:`` form), each with its kind set."""
+        listed = self.upstreams or [MemberEntry(url=self.upstream)]
+        return [m if m.kind else m.model_copy(update={"kind": self.kind}) for m in listed]
 
     @field_validator("tokenizer")
     @classmethod
@@ -171,8 +229,35 @@ class QueueConfig(_Strict):
     aging_s: float = Field(5.0, gt=0)  # a waiting request's class improves by 1 every aging_s
 
 
+class BreakerConfig(_Strict):
+    """Circuit breaker per upstream server (policies/breaker.py)."""
+
+    consecutive_failures: int = Field(5, ge=1)
+    failure_rate: float = Field(0.5, gt=0, le=1)
+    window_s: float = Field(10.0, gt=0)
+    min_requests: int = Field(20, ge=1)
+    cooldown_s: float = Field(5.0, ge=0)
+    max_probes: int = Field(1, ge=1)
+
+
+class RetryConfig(_Strict):
+    """Retries on another server of the pool, before any byte reached the client."""
+
+    max_attempts: int = Field(3, ge=1)
+    budget_ratio: float = Field(0.1, ge=0, le=1)  # extra load from retries, at most
+    budget_min_per_s: float = Field(0.2, ge=0)
+    backoff_base_s: float = Field(0.02, ge=0)
+    backoff_max_s: float = Field(0.5, ge=0)
+
+
+class ResilienceConfig(_Strict):
+    breaker: BreakerConfig = BreakerConfig()
+    retry: RetryConfig = RetryConfig()
+
+
 class GatewayConfig(_Strict):
     listen: Listen = Listen()
+    resilience: ResilienceConfig = ResilienceConfig()
     queue: QueueConfig = QueueConfig()
     store: StoreConfig = StoreConfig()
     admission: AdmissionConfig = AdmissionConfig()

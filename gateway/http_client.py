@@ -18,7 +18,8 @@ Invariants:
   on a new connection (the server closed the idle connection as we wrote to it).
 
 Errors (all ``UpstreamHTTPError``): ``ConnectFailed`` (refused, unreachable, connect
-timeout, pool full for too long), ``ReadTimeout`` (silence longer than ``read_s``),
+timeout, pool full for too long), ``ReadTimeout``: ``FirstByteTimeout`` (no answer within
+``first_byte_s``) or ``IdleTimeout`` (a gap between chunks longer than ``read_s``),
 ``ProtocolFailed`` (a broken answer, or the connection lost mid-answer).
 """
 
@@ -47,6 +48,14 @@ class ConnectFailed(UpstreamHTTPError):
 
 class ReadTimeout(UpstreamHTTPError):
     pass
+
+
+class FirstByteTimeout(ReadTimeout):
+    """No answer (status line and headers) within ``first_byte_s`` of sending."""
+
+
+class IdleTimeout(ReadTimeout):
+    """A gap between two chunks of an answer longer than ``read_s``."""
 
 
 class ProtocolFailed(UpstreamHTTPError):
@@ -126,11 +135,11 @@ class _Connection(asyncio.Protocol):
         if w is not None and not w.done():
             w.set_result(None)
 
-    async def wait(self, timeout: float) -> None:
+    async def wait(self, timeout: float, error: type[ReadTimeout] = IdleTimeout) -> None:
         """Until something arrives (or the connection is lost), at most ``timeout`` s."""
         waiter = self.loop.create_future()
         self._waiter = waiter
-        timer = self.loop.call_later(timeout, _expire, waiter)
+        timer = self.loop.call_later(timeout, _expire, waiter, error)
         try:
             await waiter
         finally:
@@ -165,9 +174,9 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
-def _expire(waiter: asyncio.Future[None]) -> None:
+def _expire(waiter: asyncio.Future[None], error: type[ReadTimeout]) -> None:
     if not waiter.done():
-        waiter.set_exception(ReadTimeout("the upstream sent nothing in time"))
+        waiter.set_exception(error("the upstream sent nothing in time"))
 
 
 class Response:
@@ -222,7 +231,8 @@ class Pool:
     """Keep-alive connections to one upstream (``http://host:port`` only)."""
 
     def __init__(self, base_url: str, *, max_connections: int, connect_s: float,
-                 read_s: float, headers: dict[str, str] | None = None) -> None:
+                 read_s: float, headers: dict[str, str] | None = None,
+                 first_byte_s: float | None = None) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {base_url!r}")
@@ -231,7 +241,8 @@ class Pool:
         self.port = parts.port or (443 if self.ssl else 80)
         self.prefix = parts.path.rstrip("/")
         self.connect_s = connect_s
-        self.read_s = read_s
+        self.read_s = read_s  # the longest gap between chunks of an answer
+        self.first_byte_s = first_byte_s or read_s  # sending -> the answer's headers
         host_header = parts.netloc.encode()
         extra = b"".join(k.encode() + b": " + v.encode() + b"\r\n"
                          for k, v in (headers or {}).items())
@@ -303,7 +314,7 @@ class Pool:
             while not conn.headers_done:
                 if conn.lost is not None:
                     raise conn.lost
-                await conn.wait(self.read_s)
+                await conn.wait(self.first_byte_s, FirstByteTimeout)
         except BaseException:
             conn.close()
             raise

@@ -5,9 +5,11 @@ every one of them.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from policies.breaker import STATE_VALUE
 from telemetry.metrics import (
     CONTENT_TYPE,
     LATENCY_BUCKETS,
@@ -17,6 +19,7 @@ from telemetry.metrics import (
     Registry,
 )
 
+from .pool import Member
 from .upstream import Upstream
 from .usage import UsageLedger
 
@@ -84,8 +87,20 @@ class GatewayMetrics:
         self.queue_time = r.histogram(P + "queue_time_seconds", "Time waiting for upstream "
                                       "capacity in the gateway's queue.", SLO_LABELS,
                                       LATENCY_BUCKETS)
+        # resilience (docs/resilience.md): plain dicts, read at scrape time
+        self.retries: dict[tuple[str, str], int] = {}  # (model, outcome) -> count
+        self.failures: dict[tuple[str, str, str], int] = {}  # (model, upstream, reason)
+        self.client_stalls = 0
         self._state: tuple[UsageLedger, dict[str, Upstream], dict[str, Any], Any] | None = None
         r.collector(self._live)
+
+    def count_retry(self, model: str, outcome: str) -> None:
+        key = (model, outcome)
+        self.retries[key] = self.retries.get(key, 0) + 1
+
+    def count_failure(self, member: Member, reason: str) -> None:
+        key = (member.model, member.url, reason)
+        self.failures[key] = self.failures.get(key, 0) + 1
 
     def bind(self, ledger: UsageLedger, upstreams: dict[str, Upstream],
              queues: dict[str, Any], admission: Any) -> None:
@@ -138,6 +153,42 @@ class GatewayMetrics:
             1 if admission.store_up else 0)
         yield Family(P + "leases_live", "gauge",
                      "Quota leases held by this replica.").add(len(admission.live))
+        yield from _resilience(self, upstreams)
+
+
+def _resilience(m: GatewayMetrics, upstreams: dict[str, Upstream]) -> Iterator[Family]:
+    members = [(n, mb) for n, up in upstreams.items() for mb in up.members]
+    yield _family(P + "breaker_state", "gauge", "Circuit breaker of each upstream server: "
+                  "0 closed, 1 half-open, 2 open.",
+                  ((STATE_VALUE[mb.breaker.state], {"model": n, "upstream": mb.url})
+                   for n, mb in members))
+    yield _family(P + "breaker_transitions_total", "counter", "Breaker moves, by the state "
+                  "moved to.", ((c, {"model": n, "upstream": mb.url, "state": s})
+                                for n, mb in members
+                                for s, c in sorted(mb.breaker.transitions.items())))
+    yield _family(P + "upstream_failures_total", "counter", "Attempts that failed because of "
+                  "the server, by reason (connect, connect_timeout, first_byte_timeout, "
+                  "idle_timeout, http_5xx, broken, disconnected).",
+                  ((c, {"model": n, "upstream": u, "reason": r})
+                   for (n, u, r), c in sorted(m.failures.items())))
+    yield _family(P + "retries_total", "counter", "Retry decisions after a failed attempt: "
+                  "retried, budget_exhausted, no_other_upstream, attempts_exhausted; "
+                  "all_open counts requests refused because every server's breaker was open.",
+                  ((c, {"model": n, "outcome": o}) for (n, o), c in sorted(m.retries.items())))
+    yield _family(P + "upstream_connections", "gauge", "Connections to the server lent to "
+                  "requests now.", ((mb.pool.active, {"model": n, "upstream": mb.url})
+                                    for n, mb in members))
+    yield Family(P + "client_stalls_total", "counter", "Requests cancelled because the client "
+                 "read nothing for timeouts.client_stall_s.").add(m.client_stalls)
+    yield Family(P + "asyncio_tasks", "gauge", "Tasks alive on the gateway's event loop (a "
+                 "leak check: it returns to its idle value).").add(_tasks())
+
+
+def _tasks() -> int:
+    try:
+        return len(asyncio.all_tasks())
+    except RuntimeError:  # scraped off the loop (tests render directly)
+        return 0
 
 
 def _family(name: str, kind: str, help_text: str,

@@ -1,10 +1,10 @@
-"""The generation endpoints: authenticate, prepare, call the upstream, relay, settle.
+"""One generation request's work: prepare, reserve, queue, call the pool, relay, settle.
 
-Each request runs as two tasks: the work (validation, upstream call, relay) and a watcher
-on the client's connection. When the client leaves, at any stage, the watcher cancels the
-work; cancellation closes the upstream response (``http_client`` closes the connection
-when a response is closed unread), which the bundled backend sees as a disconnect and
-aborts the request in the engine. Settlement runs in ``finally``, so it happens however the request ends.
+``endpoint.ProxyEndpoint`` runs an ``Exchange`` as a task it cancels when the client leaves;
+cancellation closes the upstream response (``http_client`` closes the connection when a
+response is closed unread), which the bundled backend sees as a disconnect and aborts the
+request in the engine. Settlement runs in ``finally``, so it happens however the request
+ends. Which pool member is called, and the retries on another, are ``failover``'s.
 
 The relay keeps at most one partial SSE event buffered and writes each batch of events as it
 arrives; ``send`` waits while the client's socket is full, so a slow reader slows the
@@ -24,15 +24,9 @@ from telemetry import priority_class
 
 from .admission import Ticket
 from .client_io import (
-    ClientGone,
+    ClientStalled,
     Reply,
-    Scope,
-    clean_request_id,
-    deadline_header,
     error_event,
-    header,
-    parse_json,
-    read_body,
     send_error,
     stamp_headers,
 )
@@ -40,120 +34,32 @@ from .errors import (
     BadGateway,
     GatewayError,
     GatewayTimeout,
-    InternalError,
     RevisionMismatch,
-    ServiceUnavailable,
 )
-from .http_client import ConnectFailed, ProtocolFailed, ReadTimeout, Response
+from .failover import Attempt, Fault, call_with_failover, first_attempt
+from .http_client import Response, UpstreamHTTPError
 from .metrics import RequestTimes
-from .observe import classify, observe
+from .pool import Member
+from .queue import DispatchQueue
 from .service import Gateway, Prepared
 from .sse import ChunkRewriter, dumps
 from .stamp import Stamp
 from .tenants import Tenant
 from .tracing import (
-    AUTH,
-    NO_TRACE,
     QUEUE,
     RELAY,
     RESERVE,
     SETTLE,
     UPSTREAM,
     reject_reason,
-    request_trace,
 )
-from .upstream import RESOLVED_HEADER, UPSTREAM_RETRY_AFTER_S, UpstreamError, error_from
+from .upstream import RESOLVED_HEADER, UpstreamError, error_from, fault_of
 from .usage import Settlement
 
 log = logging.getLogger("sluice.gateway.relay")
 
 MAX_EVENT_BYTES = 4 * 1024 * 1024  # one SSE event from the upstream; more is a broken stream
 MAX_WHOLE_BYTES = 64 * 1024 * 1024  # one non-streamed answer
-
-
-class ProxyEndpoint:
-    """ASGI endpoint for ``POST /v1/chat/completions`` or ``/v1/completions``.
-
-    The app's outermost layer routes these two straight here, past Starlette's middleware
-    (see ``app.FastLane``), so this endpoint is its own last line of defence: an unexpected
-    exception is logged and answered with a 500 in OpenAI's shape, never a stack trace.
-    """
-
-    def __init__(self, kind: str, route: str, app_state: Any) -> None:
-        self.kind = kind
-        self.route = route
-        self.app_state = app_state  # Starlette's app.state: the lifespan puts the Gateway there
-
-    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        gw: Gateway = self.app_state.gateway
-        times = RequestTimes(time.monotonic())
-        request_id = clean_request_id(header(scope, b"x-request-id")) or uuid.uuid4().hex
-        trace = request_trace(gw.tracer, self.route, request_id, header(scope, b"traceparent"),
-                              header(scope, b"tracestate")) if gw.telemetry.tracing else NO_TRACE
-        reply = Reply(send, request_id, self.route, gw.metrics, trace)
-        exchange: Exchange | None = None
-        try:
-            exchange = await self._serve(gw, scope, receive, reply, times)
-        except Exception as exc:
-            log.exception("unhandled error (request id %s)", request_id, exc_info=exc)
-            if not reply.started:
-                await send_error(reply, InternalError(
-                    f"internal error ({type(exc).__name__}); request id {request_id}"), None)
-        finally:
-            outcome = classify(reply, exchange)
-            observe(gw, reply, exchange, times, outcome)
-            trace.finish(reply.status or 499, outcome)
-
-    async def _serve(self, gw: Gateway, scope: Scope, receive: Any, reply: Reply,
-                     times: RequestTimes) -> Exchange | None:
-        trace = reply.trace
-        span = trace.start(AUTH)
-        try:
-            tenant = gw.registry.authenticate(header(scope, b"authorization"))
-        except GatewayError as err:
-            trace.end(span, **{"error.type": err.code or "auth"})
-            await send_error(reply, err, None)
-            return None
-        trace.end(span, **{"sluice.tenant.id": tenant.id})
-        trace.set(tenant=tenant.id)
-        reply.tenant = tenant.id
-        try:
-            limit = gw.config.max_body_bytes
-            if tenant.caps.max_body_bytes is not None:
-                limit = min(limit, tenant.caps.max_body_bytes)
-            body = parse_json(await read_body(scope, receive, limit))
-            deadline_ms = deadline_header(scope)
-        except GatewayError as err:
-            await send_error(reply, err, None)
-            return None
-        except ClientGone:
-            return None
-        gw.metrics.inflight += 1
-        exchange = Exchange(gw, self.kind, tenant, reply, times)
-        work = asyncio.ensure_future(exchange.run(body, deadline_ms))
-        watcher = asyncio.ensure_future(_wait_disconnect(receive))
-        try:
-            await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():  # the client left first
-                exchange.client_gone = True
-                work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
-            if work.done() and not work.cancelled() and work.exception() is not None:
-                raise work.exception()  # type: ignore[misc]
-        finally:
-            watcher.cancel()
-            if not work.done():  # we were cancelled ourselves (server shutdown)
-                work.cancel()
-                await asyncio.gather(work, return_exceptions=True)
-            gw.metrics.inflight -= 1
-        return exchange
-
-
-async def _wait_disconnect(receive: Any) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 class Exchange:
@@ -181,7 +87,9 @@ class Exchange:
         self.usage: dict[str, Any] | None = None  # usage of a whole answer
         self.rewriter: ChunkRewriter | None = None  # a stream's: last usage, chunks relayed
         self.ticket: Ticket | None = None  # the granted reservation
-        self.has_slot = False  # holds a slot of the upstream's capacity gate
+        self.slot: DispatchQueue | None = None  # the queue whose capacity slot it holds
+        self.attempt: Attempt | None = None  # the pool member being tried
+        self.prefix_key: bytes | None = None  # what prefix-affine routing hashes
         self.queue_ms = 0
         self.upstream_status = 0
         self.queued_s: float | None = None  # time in the gateway's queue, once dispatched
@@ -201,7 +109,23 @@ class Exchange:
         trace = self.trace
         if trace.recording:
             self._describe(self.p)
-        queue = self.gw.queues[self.p.upstream.name]
+        body = self.p.body
+        self.prefix_key = self.p.upstream.router.prefix_key(
+            self.tenant.id, body.get("messages", body.get("prompt")))
+        try:
+            self.attempt = first_attempt(self)
+        except GatewayError as err:
+            await send_error(self.reply, err, self.p.stamp)
+            return
+        try:
+            await self._admit_and_call(self.gw.queues[self.attempt.member.key])
+        finally:
+            if self.attempt is not None:
+                self.attempt.done("neutral")  # never called (refused, cancelled): no verdict
+
+    async def _admit_and_call(self, queue: DispatchQueue) -> None:
+        assert self.p is not None
+        trace = self.trace
         fail_open = self.tenant.fail_mode == "open"
         # With nobody waiting, ask the capacity gate for a slot while the quota store
         # reserves: one round trip before dispatch instead of two. Given back if refused.
@@ -241,8 +165,18 @@ class Exchange:
             self.queued_s = waited
             trace.end(span, **{"sluice.queue_ms": self.queue_ms})
             trace.set(queue_ms=self.queue_ms)
-            self.has_slot = True
-            await self._call_upstream(self.p)
+            self.slot = queue
+            try:
+                async with asyncio.timeout_at(self.p.deadline):
+                    await call_with_failover(self)
+            except TimeoutError:
+                raise self._deadline_error() from None
+        except ClientStalled:
+            self.outcome = "cancelled"
+            self.client_gone = True
+            self.gw.metrics.client_stalls += 1
+            log.info("request %s: the client read nothing for %.1f s; cancelled",
+                     self.request_id, self.gw.config.timeouts.client_stall_s)
         except GatewayError as err:
             if self.outcome != "shed":
                 self.outcome = "timeout" if isinstance(err, GatewayTimeout) \
@@ -259,8 +193,7 @@ class Exchange:
             self.outcome = "cancelled"
             raise
         finally:
-            if self.has_slot:
-                queue.release(self.attempt_id, self.p.worst_case)
+            self.release_slot()
             span = trace.start(SETTLE)
             self._settle(self.p)
             trace.end(span, **{"gen_ai.usage.input_tokens": self.prompt_tokens,
@@ -289,57 +222,83 @@ class Exchange:
             call.add_done_callback(undo)
             raise
 
+    # ---- capacity slots (a retry trades its slot for one on the next member) --------------
+    async def take_slot(self, queue: DispatchQueue) -> None:
+        assert self.p is not None
+        p = self.p
+        await queue.acquire(self.attempt_id, self.tenant.id, self.tenant.weight, p.priority,
+                            p.worst_case, p.deadline, self.tenant.max_queued,
+                            fail_open=self.tenant.fail_mode == "open")
+        self.slot = queue
+
+    def release_slot(self) -> None:
+        if self.slot is not None and self.p is not None:
+            self.slot.release(self.attempt_id, self.p.worst_case)
+        self.slot = None
+
+    def _deadline_error(self) -> GatewayTimeout:
+        p = self.p
+        if p is not None and p.total_timeout:
+            return GatewayTimeout(f"the answer took longer than the gateway's total timeout "
+                                  f"({self.gw.config.timeouts.total_s} s)", code="total_timeout")
+        return GatewayTimeout("the request's deadline passed before the model finished",
+                              code="deadline_exceeded")
+
     # ---- the upstream call ----------------------------------------------------------------
-    async def _call_upstream(self, p: Prepared) -> None:
-        up = p.upstream
+    async def call_member(self, member: Member) -> None:
+        """One attempt on ``member``; a ``Fault`` when the server failed (see failover)."""
+        p = self.p
+        assert p is not None and self.attempt is not None
         path = "/v1/chat/completions" if p.kind == "chat" else "/v1/completions"
         trace = self.trace
-        span = trace.start(UPSTREAM, {"server.address": up.name, "url.path": path})
+        span = trace.start(UPSTREAM, {
+            "server.address": p.upstream.name, "url.path": path,
+            "sluice.upstream.member": member.url, "sluice.attempt": self.attempt.number,
+            "sluice.breaker.state": member.breaker.state,
+            "sluice.breaker.probe": self.attempt.grant.probe})
         headers = [(b"content-type", b"application/json"),
                    (b"x-request-id", p.request_id.encode())] + trace.upstream_headers(span)
-        if up.entry.kind == "sluice":  # our own backend labels its metrics and spans by it
+        if member.kind == "sluice":  # our own backend labels its metrics and spans by it
             headers.append((b"x-sluice-tenant", self.tenant.id.encode()))
+        self.upstream_status = 0
+        failed: str | None = None
         try:
-            await self._exchange_upstream(p, path, headers)
+            await self._exchange_upstream(p, member, path, headers)
+        except Fault as fault:
+            failed = fault.reason
+            raise
+        except GatewayError as err:
+            failed = err.code or type(err).__name__
+            raise
         finally:
-            trace.end(span, **{"http.response.status_code": self.upstream_status})
+            attrs: dict[str, Any] = {"http.response.status_code": self.upstream_status}
+            if failed is not None:
+                attrs["error.type"] = failed
+            trace.end(span, **attrs)
 
-    async def _exchange_upstream(self, p: Prepared, path: str,
+    async def _exchange_upstream(self, p: Prepared, member: Member, path: str,
                                  headers: list[tuple[bytes, bytes]]) -> None:
         up = p.upstream
         try:
-            # asyncio's clock is time.monotonic, like Prepared.deadline
-            async with asyncio.timeout_at(p.deadline):
-                resp = await up.pool.post(path, dumps(p.body).encode(), headers)
-        except TimeoutError:
-            raise GatewayTimeout("the request's deadline passed before the model answered",
-                                 code="deadline_exceeded") from None
-        except ConnectFailed as exc:
-            log.warning("model %s: upstream unreachable: %s", up.name, exc)
-            raise ServiceUnavailable(f"the model {up.name!r} is not reachable right now",
-                                     retry_after_s=UPSTREAM_RETRY_AFTER_S) from None
-        except ReadTimeout:
-            raise GatewayTimeout(f"the model {up.name!r} did not answer in time",
-                                 code="upstream_timeout") from None
-        except ProtocolFailed as exc:
-            log.warning("model %s: upstream failed: %s", up.name, exc)
-            raise BadGateway(f"the model {up.name!r} failed to answer") from None
+            resp = await member.pool.post(path, dumps(p.body).encode(), headers)
+        except UpstreamHTTPError as exc:
+            raise fault_of(exc, up.name, member.url) from None
         self.upstream_status = resp.status
         try:
             if resp.status != 200:
-                raise await error_from(resp, up.name)
+                err = await error_from(resp, up.name)
+                if resp.status >= 500:
+                    raise Fault(f"http_{resp.status}", err, err.retry_after_s
+                                if resp.header("retry-after") else None)
+                raise err
             self.accepted = True
             await self._check_versions(p, resp)
             if p.stream:
                 await self._relay_stream(p, resp)
             else:
                 await self._relay_whole(p, resp)
-        except ReadTimeout:
-            raise GatewayTimeout(f"the model {up.name!r} stopped sending",
-                                 code="upstream_timeout") from None
-        except ProtocolFailed as exc:
-            log.warning("model %s: upstream broke mid-answer: %s", up.name, exc)
-            raise BadGateway(f"the model {up.name!r} broke off its answer") from None
+        except UpstreamHTTPError as exc:
+            raise fault_of(exc, up.name, member.url, answered=True) from None
         finally:
             resp.close()
 

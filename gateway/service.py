@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 from opentelemetry import trace
 
+from policies.retry_budget import RetryBudget, RetryPolicy
 from telemetry import Telemetry
 
 from .admission import Admission
@@ -65,6 +66,7 @@ class Prepared:
     worst_case: int = 0  # prompt + the most tokens it may generate: what admission reserves
     clamped: str | None = None  # x-sluice-clamped value
     deadline: float | None = None  # monotonic time the client gives up at
+    total_timeout: bool = False  # the deadline is the gateway's timeouts.total_s
     received: float = field(default_factory=time.monotonic)
 
 
@@ -85,12 +87,17 @@ class Gateway:
         self.admission = Admission(config)
         self.queues: dict[str, DispatchQueue] = {}
         for up in self.upstreams.values():
-            q = DispatchQueue(up.name, self.admission.gate, up.limits,
-                              max_len=config.queue.max_len, aging_s=config.queue.aging_s,
-                              slot_ttl_s=config.admission.lease_ttl_s,
-                              replicas=config.store.replicas)
-            self.queues[up.name] = q
-            self.admission.renew_hooks.append(q.renew_all)
+            for member in up.members:  # the capacity gate applies to each server of a pool
+                q = DispatchQueue(member.key, self.admission.gate, member.limits,
+                                  max_len=config.queue.max_len, aging_s=config.queue.aging_s,
+                                  slot_ttl_s=config.admission.lease_ttl_s,
+                                  replicas=config.store.replicas)
+                self.queues[member.key] = q
+                self.admission.renew_hooks.append(q.renew_all)
+        r = config.resilience.retry
+        self.retry_budget = RetryBudget(RetryPolicy(
+            r.max_attempts, r.budget_ratio, r.budget_min_per_s, backoff_base_s=r.backoff_base_s,
+            backoff_max_s=r.backoff_max_s))
         self.metrics.bind(self.ledger, self.upstreams, self.queues, self.admission)
         self.created = int(time.time())
         self._refreshing: dict[str, asyncio.Task[None]] = {}
@@ -241,7 +248,16 @@ class Gateway:
             stream=stream, client_usage=client_usage, client_continuous=client_continuous,
             priority=priority, prompt_tokens=prompt_tokens, prompt_exact=up.counter.exact,
             max_tokens=max_tokens, body=out, pin=pin, clamped=clamped,
-            deadline=None if deadline_ms is None else time.monotonic() + deadline_ms / 1000)
+            **self._deadline(deadline_ms))
+
+    def _deadline(self, deadline_ms: int | None) -> dict[str, Any]:
+        """The client's deadline, or ``timeouts.total_s`` from now if that is sooner."""
+        now = time.monotonic()
+        total = self.config.timeouts.total_s
+        client = None if deadline_ms is None else now + deadline_ms / 1000
+        if total is not None and (client is None or now + total < client):
+            return {"deadline": now + total, "total_timeout": True}
+        return {"deadline": client, "total_timeout": False}
 
     @staticmethod
     def _limit_tokens(req: ChatRequest | CompletionRequest, out: dict[str, Any],

@@ -19,6 +19,7 @@ import asyncio
 import hashlib
 import json
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -155,8 +156,10 @@ class UpstreamCounter:
     exact = True
     name = "upstream"
 
-    def __init__(self, client: httpx.AsyncClient, model: str, version_key: Any) -> None:
+    def __init__(self, client: httpx.AsyncClient, model: str, version_key: Any,
+                 servers: Callable[[], list[str]] | None = None) -> None:
         self._client = client
+        self._servers = servers  # a pool's base URLs, healthiest first: tried in turn
         self._model = model
         self._version_key = version_key  # callable -> str naming tokenizer + template
         self._cache = _Lru()
@@ -176,11 +179,7 @@ class UpstreamCounter:
             return hit
         body: dict[str, Any] = {"model": self._model}
         body["messages" if kind == "chat" else "prompt"] = payload
-        try:
-            resp = await self._client.post("/v1/tokenize", json=body)
-        except httpx.TransportError as exc:
-            raise ServiceUnavailable(f"the upstream cannot count tokens: "
-                                     f"{type(exc).__name__}", retry_after_s=1.0) from None
+        resp = await self._post(body)
         if resp.status_code == 400:
             message = _error_message(resp) or "the upstream refused the prompt"
             raise BadRequest(message, "messages" if kind == "chat" else "prompt")
@@ -192,6 +191,18 @@ class UpstreamCounter:
             raise BadGateway("the upstream's /v1/tokenize answer has no count") from None
         self._cache.put(key, count)
         return count
+
+
+    async def _post(self, body: dict[str, Any]) -> httpx.Response:
+        urls = self._servers() if self._servers is not None else [""]
+        for i, base in enumerate(urls):
+            try:
+                return await self._client.post(base + "/v1/tokenize", json=body)
+            except httpx.TransportError as exc:
+                if i == len(urls) - 1:
+                    raise ServiceUnavailable(f"the upstream cannot count tokens: "
+                                             f"{type(exc).__name__}", retry_after_s=1.0) from None
+        raise AssertionError("unreachable")
 
 
 def _error_message(resp: httpx.Response) -> str | None:

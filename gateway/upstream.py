@@ -1,24 +1,40 @@
 """Upstreams: the servers behind the public model names, and what they currently serve.
 
-One ``Upstream`` per model entry of gateway.yaml. It owns a pooled httpx client and the
-versions the upstream serves: read from the bundled backend's ``/v1/models`` (``kind:
-sluice``) at start and every ``refresh_interval_s``, or taken from the config for any other
-OpenAI-compatible server. A request snapshots the versions when it is resolved, so a refresh
-never switches a request in flight.
+One ``Upstream`` per model entry of gateway.yaml. It owns a pooled httpx client (refreshes,
+probes, /v1/tokenize), the pool's ``members`` (one per server, ``gateway.pool``) with the
+router that picks among them, and the versions the model is served at: read from the
+bundled backend's ``/v1/models`` (``kind: sluice``) at start and every
+``refresh_interval_s``, or taken from the config for any other OpenAI-compatible server. The
+servers of one pool serve one model: the first that answers names the versions. A request
+snapshots the versions when it is resolved, so a refresh never switches a request in flight.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import time
+from typing import Any
 
 import httpx
 
+from policies.breaker import BreakerPolicy
+
 from .config import GatewayConfig, ModelEntry, StaticVersions
-from .errors import BadGateway, GatewayError, ServiceUnavailable
-from .http_client import Pool, ProtocolFailed, ReadTimeout, Response
+from .errors import BadGateway, GatewayError, GatewayTimeout, ServiceUnavailable
+from .failover import Fault
+from .http_client import (
+    ConnectFailed,
+    FirstByteTimeout,
+    Pool,
+    ProtocolFailed,
+    ReadTimeout,
+    Response,
+    UpstreamHTTPError,
+)
+from .pool import Member, Router, build_members
 from .stamp import UpstreamVersions
 from .tokens import ByteCounter, LocalCounter, TokenCounter, UpstreamCounter
 
@@ -55,9 +71,16 @@ class Upstream:
                                 max_keepalive_connections=min(entry.max_connections, 256),
                                 keepalive_expiry=30.0),
         )
-        # The relay's hot path uses the lean pool; refreshes, probes and /v1/tokenize httpx.
-        self.pool = Pool(entry.upstream, max_connections=entry.max_connections,
-                         connect_s=t.connect_s, read_s=t.read_s, headers=headers)
+        # The relay's hot path uses the lean pools; refreshes, probes and /v1/tokenize httpx.
+        b = config.resilience.breaker
+        policy = BreakerPolicy(b.consecutive_failures, b.failure_rate, b.window_s,
+                               b.min_requests, b.cooldown_s, b.max_probes)
+        pools = [Pool(m.url, max_connections=entry.max_connections, connect_s=t.connect_s,
+                      read_s=t.idle, first_byte_s=t.first_byte, headers=headers)
+                 for m in entry.members]
+        self.members: list[Member] = build_members(entry, pools, policy)
+        self.router = Router(entry, self.members)
+        self.pool = pools[0]
         static = entry.versions or StaticVersions()
         self.versions: UpstreamVersions | None = None
         if entry.kind == "openai":
@@ -78,8 +101,14 @@ class Upstream:
         if mode == "bytes":
             return ByteCounter()
         if mode == "upstream":
-            return UpstreamCounter(self.client, self.served_name, self._tokenizer_key)
+            return UpstreamCounter(self.client, self.served_name, self._tokenizer_key,
+                                   self._servers)
         return LocalCounter(mode.removeprefix("local:"))
+
+    def _servers(self) -> list[str]:
+        """The pool's sluice servers, those whose breaker is closed first."""
+        ours = [m for m in self.members if m.kind == "sluice"] or self.members
+        return [m.url for m in sorted(ours, key=lambda m: not m.breaker.available())]
 
     def _tokenizer_key(self) -> str:
         v = self.versions
@@ -90,58 +119,78 @@ class Upstream:
         return self.versions is not None
 
     async def refresh(self) -> None:
-        """Re-read what the upstream serves; raises UpstreamError when it cannot."""
-        try:
-            resp = await self.client.get("/v1/models", timeout=PROBE_TIMEOUT_S)
-        except httpx.HTTPError as exc:
-            self.last_error = f"{type(exc).__name__}: {exc}"
-            raise UpstreamError(f"{self.entry.upstream} is unreachable: {self.last_error}") \
-                from exc
-        if resp.status_code != 200:
-            self.last_error = f"/v1/models answered {resp.status_code}"
-            raise UpstreamError(f"{self.entry.upstream}: {self.last_error}")
-        try:
-            listing = resp.json()["data"]
-            entry = next((m for m in listing if m.get("id") == self.served_name), None)
-        except (ValueError, KeyError, TypeError, AttributeError):
-            self.last_error = "/v1/models is not an OpenAI model list"
-            raise UpstreamError(f"{self.entry.upstream}: {self.last_error}") from None
-        if entry is None:
-            self.last_error = f"it does not serve {self.served_name!r}"
-            raise UpstreamError(f"{self.entry.upstream}: {self.last_error}")
+        """Re-read what the pool serves; raises UpstreamError when no server answers."""
+        results = await asyncio.gather(*(self._read(m) for m in self.members),
+                                       return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        for r in errors:
+            if not isinstance(r, UpstreamError):
+                raise r
+        answered = [r for r in results if not isinstance(r, BaseException)]
+        if not answered:
+            self.last_error = str(errors[0])
+            raise errors[0]
+        entry, reported = answered[0]
         if isinstance(entry.get("max_model_len"), int):
             self.max_model_len = entry["max_model_len"]
         if self.entry.kind == "sluice":
-            resolved = entry.get("resolved")
-            if not isinstance(resolved, dict):
-                self.last_error = "/v1/models reports no resolved versions (not a sluice backend?)"
-                raise UpstreamError(f"{self.entry.upstream}: {self.last_error}")
-            new = UpstreamVersions.from_report(resolved)
+            ours = [(e, h) for e, h in answered if isinstance(e.get("resolved"), dict)]
+            if not ours:
+                self.last_error = "no server of the pool reports its versions"
+                raise UpstreamError(f"model {self.name}: {self.last_error}")
+            entry, reported = ours[0]
+            new = UpstreamVersions.from_report(entry["resolved"])
             if self.versions is not None and new != self.versions:
                 log.info("model %s: upstream versions changed from %s to %s", self.name,
                          self.versions, new)
             self.versions = new
-            self.reported_header = resp.headers.get(RESOLVED_HEADER)
+            self.reported_header = reported
             self._check_local_tokenizer()
-            await self._read_capacity()
+        first = self.members[0]
+        self.kv_tokens, self.max_seqs = first.kv_tokens, first.max_seqs
         self.last_ok = time.monotonic()
         self.last_error = None
 
-    async def _read_capacity(self) -> None:
+    async def _read(self, m: Member) -> tuple[dict[str, Any], str | None]:
+        """One server's /v1/models entry for this model (and its capacity, if ours)."""
+        try:
+            resp = await self.client.get(m.url + "/v1/models", timeout=PROBE_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            m.last_error = f"{type(exc).__name__}: {exc}"
+            raise UpstreamError(f"{m.url} is unreachable: {m.last_error}") from exc
+        if resp.status_code != 200:
+            m.last_error = f"/v1/models answered {resp.status_code}"
+            raise UpstreamError(f"{m.url}: {m.last_error}")
+        try:
+            listing = resp.json()["data"]
+            entry = next((e for e in listing if e.get("id") == self.served_name), None)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            m.last_error = "/v1/models is not an OpenAI model list"
+            raise UpstreamError(f"{m.url}: {m.last_error}") from None
+        if entry is None:
+            m.last_error = f"it does not serve {self.served_name!r}"
+            raise UpstreamError(f"{m.url}: {m.last_error}")
+        if self.entry.kind == "sluice" and m.kind == "sluice":
+            if not isinstance(entry.get("resolved"), dict):
+                m.last_error = "/v1/models reports no resolved versions (not a sluice backend?)"
+                raise UpstreamError(f"{m.url}: {m.last_error}")
+            await self._read_capacity(m)
+        m.last_error = None
+        return entry, resp.headers.get(RESOLVED_HEADER)
+
+    async def _read_capacity(self, m: Member) -> None:
         """The bundled backend's KV capacity and batch size, from its /v1/state."""
         try:
-            state = (await self.client.get("/v1/state", timeout=PROBE_TIMEOUT_S)).json()
-            self.kv_tokens = int(state["kv_blocks_total"]) * int(state["block_size"])
-            self.max_seqs = int(state["max_num_seqs"])
+            state = (await self.client.get(m.url + "/v1/state", timeout=PROBE_TIMEOUT_S)).json()
+            m.kv_tokens = int(state["kv_blocks_total"]) * int(state["block_size"])
+            m.max_seqs = int(state["max_num_seqs"])
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            log.warning("model %s: cannot read /v1/state (%s); capacity unknown", self.name,
-                        exc)
+            log.warning("model %s: cannot read %s/v1/state (%s); capacity unknown", self.name,
+                        m.url, exc)
 
     def limits(self) -> tuple[int | None, int | None]:
-        """(in-flight worst-case tokens, in-flight sequences) the gate allows now."""
-        kv = self.kv_tokens
-        return (None if kv is None else max(1, int(kv * self.entry.overcommit)),
-                self.max_seqs)
+        """(in-flight worst-case tokens, in-flight sequences) the first server's gate allows."""
+        return self.members[0].limits()
 
     def _check_local_tokenizer(self) -> None:
         """A local tokenizer must be the one the upstream uses; if not, ask the upstream."""
@@ -152,13 +201,23 @@ class Upstream:
                 or counter.template_sha256 != v.chat_template):
             log.warning("model %s: the local tokenizer %s differs from the upstream's; "
                         "counting tokens through the upstream instead", self.name, counter.name)
-            self.counter = UpstreamCounter(self.client, self.served_name, self._tokenizer_key)
+            self.counter = UpstreamCounter(self.client, self.served_name, self._tokenizer_key,
+                                           self._servers)
 
     async def probe(self) -> tuple[bool, str]:
-        """Is the upstream answering now?"""
-        path = "/health" if self.entry.kind == "sluice" else "/v1/models"
+        """Is the pool answering now? Ready while at least one server is."""
+        results = await asyncio.gather(*(self._probe(m) for m in self.members))
+        if len(results) == 1:
+            return results[0]
+        up = sum(ok for ok, _ in results)
+        detail = "; ".join(f"{m.url}: {d}" for m, (_, d) in
+                           zip(self.members, results, strict=True))
+        return up > 0, f"{up}/{len(results)} up ({detail})"
+
+    async def _probe(self, m: Member) -> tuple[bool, str]:
+        path = "/health" if m.kind == "sluice" else "/v1/models"
         try:
-            resp = await self.client.get(path, timeout=PROBE_TIMEOUT_S)
+            resp = await self.client.get(m.url + path, timeout=PROBE_TIMEOUT_S)
         except httpx.HTTPError as exc:
             return False, f"unreachable: {type(exc).__name__}"
         if resp.status_code != 200:
@@ -166,7 +225,8 @@ class Upstream:
         return True, "ok"
 
     async def aclose(self) -> None:
-        self.pool.close()
+        for m in self.members:
+            m.pool.close()
         await self.client.aclose()
 
 
@@ -207,3 +267,28 @@ async def error_from(resp: Response, model: str) -> GatewayError:
         retry = resp.header("retry-after")
         out.retry_after_s = float(retry) if retry and retry.isdigit() else None
     return out
+
+
+def fault_of(exc: UpstreamHTTPError, model: str, url: str, answered: bool = False) -> Fault:
+    """The server's failure, as the client would hear it: each timeout its own code."""
+    if isinstance(exc, ConnectFailed):
+        log.warning("model %s: upstream %s unreachable: %s", model, url, exc)
+        if isinstance(exc.__cause__, TimeoutError):
+            return Fault("connect_timeout", GatewayTimeout(
+                f"the model {model!r} did not accept a connection in time",
+                code="upstream_connect_timeout"))
+        return Fault("connect", ServiceUnavailable(
+            f"the model {model!r} is not reachable right now",
+            retry_after_s=UPSTREAM_RETRY_AFTER_S, code="upstream_unreachable"))
+    if isinstance(exc, FirstByteTimeout):
+        return Fault("first_byte_timeout", GatewayTimeout(
+            f"the model {model!r} did not start answering in time",
+            code="upstream_first_byte_timeout"))
+    if isinstance(exc, ReadTimeout):
+        return Fault("idle_timeout", GatewayTimeout(
+            f"the model {model!r} stopped sending", code="upstream_idle_timeout"))
+    log.warning("model %s: upstream %s broke %s: %s", model, url,
+                "mid-answer" if answered else "before answering", exc)
+    if answered:
+        return Fault("disconnected", BadGateway(f"the model {model!r} broke off its answer"))
+    return Fault("broken", BadGateway(f"the model {model!r} failed to answer"))

@@ -1,0 +1,153 @@
+"""The ASGI endpoint of the generation routes: the request's two tasks and its client.
+
+Each request runs as two tasks: the work (an ``Exchange``: validation, upstream call,
+relay, settlement) and a watcher on the client's connection. When the client leaves, at
+any stage, the watcher cancels the work; cancellation closes the upstream response, which
+the bundled backend sees as a disconnect and aborts the request in the engine.
+
+Slow clients. Every message to the client goes through ``bounded_send``: the server's
+``send`` waits while the client's socket buffer is full (uvicorn's flow control), so what a
+connection buffers is bounded by the socket buffers plus one batch of events, and a client
+that takes nothing for ``timeouts.client_stall_s`` gets ``ClientStalled``: the exchange
+ends as cancelled, the upstream response is closed (the engine aborts and frees its KV
+blocks), and the reservation and slot are settled as for any other end.
+
+Draining. Once SIGTERM set ``app.state.draining``, new requests get 503 with Retry-After
+(``code: draining``) while those in flight finish (``sluice gateway``'s shutdown timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+from .client_io import (
+    ClientGone,
+    ClientStalled,
+    Reply,
+    Scope,
+    clean_request_id,
+    deadline_header,
+    header,
+    parse_json,
+    read_body,
+    send_error,
+)
+from .errors import GatewayError, InternalError, ServiceUnavailable
+from .metrics import RequestTimes
+from .observe import classify, observe
+from .relay import Exchange
+from .service import Gateway
+from .tracing import AUTH, NO_TRACE, request_trace
+
+log = logging.getLogger("sluice.gateway.relay")
+
+DRAIN_RETRY_AFTER_S = 1.0
+
+
+def bounded_send(send: Any, stall_s: float) -> Any:
+    """``send``, raising ``ClientStalled`` when the client takes nothing for ``stall_s``."""
+    async def send_bounded(message: dict[str, Any]) -> None:
+        try:
+            async with asyncio.timeout(stall_s):
+                await send(message)
+        except TimeoutError:
+            raise ClientStalled(f"the client read nothing for {stall_s} s") from None
+
+    return send_bounded
+
+
+class ProxyEndpoint:
+    """ASGI endpoint for ``POST /v1/chat/completions`` or ``/v1/completions``.
+
+    The app's outermost layer routes these two straight here, past Starlette's middleware
+    (see ``app.FastLane``), so this endpoint is its own last line of defence: an unexpected
+    exception is logged and answered with a 500 in OpenAI's shape, never a stack trace.
+    """
+
+    def __init__(self, kind: str, route: str, app_state: Any) -> None:
+        self.kind = kind
+        self.route = route
+        self.app_state = app_state  # Starlette's app.state: the lifespan puts the Gateway there
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        gw: Gateway = self.app_state.gateway
+        times = RequestTimes(time.monotonic())
+        request_id = clean_request_id(header(scope, b"x-request-id")) or uuid.uuid4().hex
+        trace = request_trace(gw.tracer, self.route, request_id, header(scope, b"traceparent"),
+                              header(scope, b"tracestate")) if gw.telemetry.tracing else NO_TRACE
+        reply = Reply(bounded_send(send, gw.config.timeouts.client_stall_s), request_id,
+                      self.route, gw.metrics, trace)
+        exchange: Exchange | None = None
+        try:
+            exchange = await self._serve(gw, scope, receive, reply, times)
+        except ClientStalled:
+            pass  # stalled outside an exchange (an error reply it would not read)
+        except Exception as exc:
+            log.exception("unhandled error (request id %s)", request_id, exc_info=exc)
+            if not reply.started:
+                await send_error(reply, InternalError(
+                    f"internal error ({type(exc).__name__}); request id {request_id}"), None)
+        finally:
+            outcome = classify(reply, exchange)
+            observe(gw, reply, exchange, times, outcome)
+            trace.finish(reply.status or 499, outcome)
+
+    async def _serve(self, gw: Gateway, scope: Scope, receive: Any, reply: Reply,
+                     times: RequestTimes) -> Exchange | None:
+        trace = reply.trace
+        if self.app_state.draining:
+            await send_error(reply, ServiceUnavailable(
+                "the gateway is shutting down; retry on another replica",
+                retry_after_s=DRAIN_RETRY_AFTER_S, code="draining"), None)
+            return None
+        span = trace.start(AUTH)
+        try:
+            tenant = gw.registry.authenticate(header(scope, b"authorization"))
+        except GatewayError as err:
+            trace.end(span, **{"error.type": err.code or "auth"})
+            await send_error(reply, err, None)
+            return None
+        trace.end(span, **{"sluice.tenant.id": tenant.id})
+        trace.set(tenant=tenant.id)
+        reply.tenant = tenant.id
+        try:
+            limit = gw.config.max_body_bytes
+            if tenant.caps.max_body_bytes is not None:
+                limit = min(limit, tenant.caps.max_body_bytes)
+            body = parse_json(await read_body(scope, receive, limit))
+            deadline_ms = deadline_header(scope)
+        except GatewayError as err:
+            await send_error(reply, err, None)
+            return None
+        except ClientGone:
+            return None
+        gw.metrics.inflight += 1
+        exchange = Exchange(gw, self.kind, tenant, reply, times)
+        work = asyncio.ensure_future(exchange.run(body, deadline_ms))
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():  # the client left first
+                exchange.client_gone = True
+                work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            if work.done() and not work.cancelled() and work.exception() is not None:
+                raise work.exception()  # type: ignore[misc]
+        finally:
+            watcher.cancel()
+            if not work.done():  # we were cancelled ourselves (server shutdown)
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+            gw.metrics.inflight -= 1
+        return exchange
+
+
+async def _wait_disconnect(receive: Any) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,143 @@
+"""The servers behind one public model, and which of them takes the next request.
+
+A model's ``upstreams:`` list (or its single ``upstream:``) becomes ``Member``s: each with
+its own keep-alive connections, circuit breaker, capacity (its own ``/v1/state`` for the
+bundled backend) and dispatch queue (``Gateway.queues[member.key]``), so the capacity gate
+applies to each member on its own.
+
+Routing (``Router.pick``), among the members whose breaker lets a request through (one
+still inside the Retry-After it answered with is taken only when no other can):
+    least_load  the fewest in-flight worst-case tokens per unit of weight (this replica's);
+    prefix      rendezvous hashing of (tenant, the prompt's first ``prefix_chars``) over the
+                members, taking the first in hash order whose load stays within
+                ``load_bound`` × the average (consistent hashing with bounded loads), so
+                requests sharing a prefix meet the same prefix cache, and a hot prefix
+                spills over instead of overloading one server.
+The prefix key reads characters, not tokens: the hash needs the same start to give the same
+key, which characters do without tokenizing twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from policies.breaker import Breaker, BreakerPolicy, Pass, State
+
+from .config import MemberEntry, ModelEntry
+from .http_client import Pool
+
+log = logging.getLogger("sluice.gateway.pool")
+
+
+class Member:
+    """One server of a model's pool."""
+
+    def __init__(self, model: str, key: str, entry: MemberEntry, pool: Pool,
+                 policy: BreakerPolicy, clock: Callable[[], float] = time.monotonic) -> None:
+        self.model = model
+        self.key = key  # the queue and capacity-gate name: the model's name for a lone server
+        self.url = entry.url
+        self.kind = entry.kind or "openai"
+        self.weight = entry.weight
+        self.pool = pool
+        self.clock = clock
+        self.breaker = Breaker(policy, clock, self._transition)
+        self.kv_tokens: int | None = None
+        self.max_seqs: int | None = None
+        self.overcommit = 1.0
+        self.inflight_tokens = 0  # worst-case tokens this replica has sent here, not ended
+        self.not_before = 0.0  # its Retry-After: no new request before this clock time
+        self.last_error: str | None = None
+
+    def _transition(self, old: State, new: State) -> None:
+        log.warning("model %s: upstream %s breaker %s -> %s", self.model, self.url, old, new)
+
+    def limits(self) -> tuple[int | None, int | None]:
+        """(in-flight worst-case tokens, in-flight sequences) its capacity gate allows."""
+        kv = self.kv_tokens
+        return (None if kv is None else max(1, int(kv * self.overcommit)), self.max_seqs)
+
+    def load(self) -> float:
+        return self.inflight_tokens / self.weight
+
+
+def build_members(entry: ModelEntry, pools: Sequence[Pool], policy: BreakerPolicy,
+                  clock: Callable[[], float] = time.monotonic) -> list[Member]:
+    specs = entry.members
+    lone = len(specs) == 1
+    out = []
+    for i, (spec, pool) in enumerate(zip(specs, pools, strict=True)):
+        m = Member(entry.name, entry.name if lone else f"{entry.name}#{i}", spec, pool,
+                   policy, clock)
+        m.kv_tokens, m.max_seqs = entry.capacity.kv_tokens, entry.capacity.max_seqs
+        m.overcommit = entry.overcommit
+        out.append(m)
+    return out
+
+
+class AllOpen(Exception):
+    """No member can take a request now; ``retry_after_s`` until the first one may."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        super().__init__(f"every upstream is unavailable for {retry_after_s:.3f} s")
+        self.retry_after_s = retry_after_s
+
+
+class Router:
+    def __init__(self, entry: ModelEntry, members: list[Member]) -> None:
+        self.members = members
+        self.mode = entry.routing
+        self.prefix_chars = entry.prefix_chars
+        self.load_bound = entry.load_bound
+        self.routed: dict[str, int] = {m.key: 0 for m in members}
+
+    def prefix_key(self, tenant: str, payload: Any) -> bytes | None:
+        """What the prefix hash reads: the tenant and the prompt's first characters."""
+        if self.mode != "prefix" or len(self.members) < 2:
+            return None
+        if isinstance(payload, list):  # chat messages: their text, in order
+            text = "".join(str(m.get("content", "")) if isinstance(m, dict) else str(m)
+                           for m in payload)
+        else:
+            text = str(payload)
+        return tenant.encode() + b"\0" + text[:self.prefix_chars].encode()
+
+    def pick(self, tokens: int, key: bytes | None = None,
+             exclude: frozenset[str] = frozenset()) -> tuple[Member, Pass]:
+        """A member and its breaker's pass; raises ``AllOpen`` when none can take it."""
+        for m in self._order(tokens, key, exclude):
+            granted = m.breaker.try_pass()
+            if granted is not None:
+                self.routed[m.key] += 1
+                return m, granted
+        raise AllOpen(self.retry_after(exclude))
+
+    def retry_after(self, exclude: frozenset[str] = frozenset()) -> float:
+        waits = [m.breaker.remaining_cooldown() for m in self.members if m.key not in exclude]
+        return max(min(waits, default=1.0), 0.001)
+
+    def _order(self, tokens: int, key: bytes | None, exclude: frozenset[str]) -> list[Member]:
+        """Candidates, best first; a member inside its Retry-After comes last of all."""
+        live = [m for m in self.members if m.key not in exclude and m.breaker.available()]
+        now = self.members[0].clock()
+        later = [m for m in live if m.not_before > now]
+        live = [m for m in live if m.not_before <= now]
+        if len(live) < 2:
+            return live + later
+        by_load = sorted(live, key=lambda m: (m.load(), self.routed[m.key]))  # ties: turns
+        if key is None:
+            return by_load + later
+        ranked = sorted(live, key=lambda m: _score(key, m.key), reverse=True)
+        total = sum(m.inflight_tokens for m in live) + tokens
+        bound = self.load_bound * total / sum(m.weight for m in live)
+        fits = [m for m in ranked if (m.inflight_tokens + tokens) / m.weight <= bound]
+        return fits + [m for m in by_load if m not in fits] + later
+
+
+def _score(key: bytes, member: str) -> int:
+    digest = hashlib.blake2b(key + b"\0" + member.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")

@@ -1,0 +1,143 @@
+"""A model served by a pool of two scriptable upstreams: routing, retries on the other
+server, the breaker opening, and the refusal when every breaker is open."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.config import (
+    BreakerConfig,
+    GatewayConfig,
+    Listen,
+    ModelEntry,
+    ResilienceConfig,
+    RetryConfig,
+)
+from gateway.errors import ConfigError
+from tests.backend.server.conftest import free_port
+
+from .conftest import ThreadedGateway, auth, tenants_for_tests
+from .fake_backend import FakeBackend
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
+
+
+def pool_config(urls: list[str], **entry: Any) -> GatewayConfig:
+    return GatewayConfig(
+        listen=Listen(port=free_port()), refresh_interval_s=3600,
+        models=[ModelEntry(name="m", upstreams=urls, kind="sluice",  # type: ignore[arg-type]
+                           tokenizer="upstream", upstream_model="fake-model", **entry)],
+        resilience=ResilienceConfig(
+            breaker=BreakerConfig(consecutive_failures=2, cooldown_s=60),
+            retry=RetryConfig(budget_ratio=1.0, backoff_base_s=0.001)))
+
+
+@pytest.fixture
+def fakes() -> Iterator[tuple[FakeBackend, FakeBackend]]:
+    with FakeBackend() as a, FakeBackend() as b:
+        yield a, b
+
+
+@pytest.fixture
+def gw(fakes: tuple[FakeBackend, FakeBackend]) -> Iterator[ThreadedGateway]:
+    a, b = fakes
+    with ThreadedGateway(pool_config([a.url, b.url]), tenants_for_tests()) as g:
+        yield g
+
+
+def post(gw: ThreadedGateway, body: dict[str, Any] = CHAT) -> httpx.Response:
+    return httpx.post(gw.url + "/v1/chat/completions", json=body, headers=auth(), timeout=30)
+
+
+def metric(gw: ThreadedGateway, line_start: str) -> float:
+    text = httpx.get(gw.url + "/metrics").text
+    for line in text.splitlines():
+        if line.startswith(line_start):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_pool_config_forms() -> None:
+    one = ModelEntry(name="m", upstream="http://127.0.0.1:1/v1")
+    assert [m.url for m in one.members] == ["http://127.0.0.1:1"]
+    pool = ModelEntry.model_validate({"name": "m", "kind": "sluice", "upstreams": [
+        "http://a:1", {"url": "http://b:2/", "kind": "openai", "weight": 2}]})
+    assert pool.upstream == "http://a:1"
+    assert [(m.url, m.kind, m.weight) for m in pool.members] == [
+        ("http://a:1", "sluice", 1.0), ("http://b:2", "openai", 2.0)]
+    with pytest.raises(ValueError, match="either upstream"):
+        ModelEntry.model_validate({"name": "m", "upstream": "http://a:1",
+                                   "upstreams": ["http://b:1"]})
+    from gateway.config import load_gateway_config
+
+    with pytest.raises(ConfigError):
+        load_gateway_config("/nonexistent.yaml")
+
+
+def test_requests_spread_over_the_pool(gw: ThreadedGateway,
+                                       fakes: tuple[FakeBackend, FakeBackend]) -> None:
+    for _ in range(6):
+        assert post(gw).status_code == 200
+    assert len(fakes[0].bodies) == 3 and len(fakes[1].bodies) == 3
+
+
+def test_a_5xx_is_retried_on_the_other_server_and_opens_its_breaker(
+        gw: ThreadedGateway, fakes: tuple[FakeBackend, FakeBackend]) -> None:
+    a, b = fakes
+    a.mode = "500"
+    for _ in range(4):
+        resp = post(gw)
+        assert resp.status_code == 200  # the client never sees the failing server
+    # a failed twice (the threshold), then its breaker opened: b took everything
+    assert len(a.bodies) == 2 and len(b.bodies) == 4
+    assert metric(gw, 'sluice_gateway_breaker_state{model="m",upstream="' + a.url) == 2
+    assert metric(gw, 'sluice_gateway_retries_total{model="m",outcome="retried"}') == 2
+    assert metric(gw, 'sluice_gateway_upstream_failures_total{model="m",upstream="'
+                  + a.url + '",reason="http_500"}') == 2
+    b.mode = "500"  # b fails too: retried nowhere (a is open), its error goes out
+    assert post(gw).status_code == 502
+    assert post(gw).status_code == 502
+    refused = post(gw)  # both open: refused at once, with the cooldown left
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "upstream_circuit_open"
+    assert 58 <= int(refused.headers["retry-after"]) <= 60
+    assert len(b.bodies) == 6
+    gwo = gw.gateway
+    assert not gwo.admission.live and not any(q.held for q in gwo.queues.values())
+
+
+def test_a_4xx_is_never_retried(gw: ThreadedGateway,
+                                fakes: tuple[FakeBackend, FakeBackend]) -> None:
+    a, b = fakes
+    a.mode = b.mode = "400"
+    resp = post(gw)
+    assert resp.status_code == 400
+    assert len(a.bodies) + len(b.bodies) == 1
+    assert metric(gw, 'sluice_gateway_breaker_state{model="m",upstream="' + a.url) == 0
+
+
+def test_retry_after_keeps_a_server_out_of_routing(
+        gw: ThreadedGateway, fakes: tuple[FakeBackend, FakeBackend]) -> None:
+    a, b = fakes
+    a.mode = "503"  # answers with retry-after: 7
+    assert post(gw).status_code == 200
+    a.mode = "ok"
+    for _ in range(4):
+        assert post(gw).status_code == 200
+    assert len(a.bodies) == 1 and len(b.bodies) == 5
+
+
+def test_a_dead_server_is_routed_around(fakes: tuple[FakeBackend, FakeBackend]) -> None:
+    a, b = fakes
+    with ThreadedGateway(pool_config([a.url, b.url]), tenants_for_tests()) as g:
+        a.__exit__()  # connection refused from now on
+        codes = [post(g).status_code for _ in range(5)]
+        assert codes == [200] * 5
+        assert metric(g, 'sluice_gateway_upstream_failures_total{model="m",upstream="'
+                      + a.url + '",reason="connect"}') == 2
+        ready = httpx.get(g.url + "/readyz").json()
+        assert ready["status"] == "ready" and ready["checks"]["m"]["detail"].startswith("1/2")
