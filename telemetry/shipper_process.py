@@ -75,12 +75,15 @@ def main() -> int:
         pending, spans, last_send = [], 0, time.monotonic()
 
     while True:
-        # frames already read (some may have come with the settings line)
-        while len(buf) >= 4:
-            (n,) = _LEN.unpack_from(buf)
-            if len(buf) < 4 + n:
+        # frames already read (some may have come with the settings line); walked by offset:
+        # slicing the rest off after each frame would copy a 1 MiB read once per frame
+        pos, size = 0, len(buf)
+        while size - pos >= 4:
+            (n,) = _LEN.unpack_from(buf, pos)
+            if size - pos < 4 + n:
                 break
-            frame, buf = buf[4:4 + n], buf[4 + n:]
+            frame = buf[pos + 4:pos + 4 + n]
+            pos += 4 + n
             if not n:  # flush
                 ship()
                 out.write("flushed\n")
@@ -96,6 +99,7 @@ def main() -> int:
             spans += item[2]
             if spans >= max_batch:
                 ship()
+        buf = buf[pos:]
         wait = max(0.0, last_send + delay - time.monotonic()) if pending else None
         ready, _, _ = select.select([fd], [], [], wait)
         if not ready:
