@@ -1,0 +1,251 @@
+"""The open-loop client of `sluice loadtest`: asyncio + httpx streaming.
+
+Open loop: request *n* leaves at ``start + schedule[n].t`` whatever happened to the earlier
+ones, so an overloaded target builds a queue, as real traffic does, instead of slowing the
+client down (a closed loop hides overload: it only sends when answers come back). How
+late each request actually left (``sent - scheduled``) is kept: a lagging client under-
+loads the target, and the run is then flagged unreliable.
+
+Each network read is stamped with ``time.perf_counter()`` the moment httpx hands it over,
+before it is parsed; every SSE event in that read shares the stamp, since that is when its
+bytes arrived. Tokens per event come from the server's running usage
+(``continuous_usage_stats``) when it offers it, else from the final usage spread over the
+events by text length (`tokens.py`); never one event = one token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from loadtest.arrivals import Planned
+from loadtest.prompts import PROBE_WORDS, Calibration, PromptBook, words
+from loadtest.workload import Workload
+
+# A streamed request ends in exactly one of these (stats.py decides success vs slo_miss).
+CANCEL_PATIENCE, CANCEL_TOKENS = "patience", "after_tokens"
+
+
+@dataclass(slots=True)
+class Record:
+    """One request's timeline, in ``time.perf_counter()`` seconds."""
+
+    plan: Planned
+    scheduled: float = 0.0
+    dispatched: float = 0.0  # the client started on it (dispatch lag = this - scheduled)
+    sent: float = 0.0  # its last request byte was written (latencies count from here)
+    done: float = 0.0
+    status: int = 0
+    queue_ms: float | None = None
+    # (arrival time, tokens) per content event; tokens is -1 until tokens.py assigns it
+    # from text length, when the server gave no running usage.
+    events: list[tuple[float, int]] = field(default_factory=list)
+    chars: list[int] = field(default_factory=list)
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cancelled: str = ""  # CANCEL_PATIENCE / CANCEL_TOKENS when the client abandoned it
+    timed_out: bool = False
+    error: str = ""
+    finished: bool = False  # the stream ended with [DONE] (or a whole JSON body)
+
+
+@dataclass(slots=True, frozen=True)
+class Target:
+    base_url: str  # without /v1
+    key: str | None
+    timeout_s: float = 60.0
+    continuous_usage: bool = True
+
+
+def _endpoint(w: Workload) -> str:
+    return "/v1/chat/completions" if w.api == "chat" else "/v1/completions"
+
+
+def request_body(w: Workload, p: Planned, prompts: PromptBook, target: Target,
+                 ) -> dict[str, Any]:
+    c = w.class_named(p.cls)
+    text = prompts.text(p.idx, p.input_tokens, c.prefix_group)
+    body: dict[str, Any] = {"model": c.model or w.model, "stream": True,
+                            "max_tokens": p.output_tokens + c.max_tokens_slack}
+    if w.api == "chat":
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = text
+    opts: dict[str, Any] = {"include_usage": True}
+    if target.continuous_usage:
+        opts["continuous_usage_stats"] = True
+    body["stream_options"] = opts
+    if w.ignore_eos and c.max_tokens_slack == 0:
+        body["ignore_eos"] = True
+    if p.priority is not None:
+        body["priority"] = p.priority
+    if c.deadline_ms is not None:
+        body["deadline_ms"] = int(c.deadline_ms)
+    return body
+
+
+def _headers(key: str | None, idx: int) -> dict[str, str]:
+    h = {"content-type": "application/json", "x-loadtest-idx": str(idx)}
+    if key:
+        h["authorization"] = f"Bearer {key}"
+    return h
+
+
+def _apply_event(rec: Record, payload: bytes, now: float) -> None:
+    try:
+        obj = json.loads(payload)
+    except ValueError:
+        rec.error = rec.error or "bad SSE JSON"
+        return
+    if not isinstance(obj, dict):
+        return
+    if "error" in obj:
+        err = obj["error"] if isinstance(obj["error"], dict) else {}
+        rec.error = rec.error or f"in-stream error: {err.get('message', obj['error'])}"
+        return
+    usage = obj.get("usage") or None
+    choices = obj.get("choices") or []
+    text = ""
+    for ch in choices:
+        delta = ch.get("delta") or {}
+        text += (delta.get("content") or "") if "delta" in ch else (ch.get("text") or "")
+    if usage is not None:
+        if usage.get("prompt_tokens") is not None:
+            rec.prompt_tokens = int(usage["prompt_tokens"])
+        count = usage.get("completion_tokens")
+        if count is not None:
+            if choices:  # a running count on a content event
+                n = int(count) - (rec.completion_tokens or 0)
+                if n > 0:
+                    rec.events.append((now, n))
+                    rec.chars.append(len(text))
+            rec.completion_tokens = int(count)
+            return
+    if choices and text:
+        rec.events.append((now, -1))
+        rec.chars.append(len(text))
+
+
+def tokens_seen(rec: Record) -> int:
+    return sum(n if n > 0 else 1 for _, n in rec.events)
+
+
+async def _read_stream(rec: Record, resp: httpx.Response, timer: asyncio.Timeout,
+                       timeout_s: float) -> None:
+    buf = b""
+    async for raw in resp.aiter_raw():
+        now = time.perf_counter()
+        buf += raw
+        *lines, buf = buf.split(b"\n")
+        had_tokens = bool(rec.events)
+        for line in lines:
+            line = line.rstrip(b"\r")
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                rec.finished = True
+                rec.done = now  # E2E ends when the last byte arrived, not after teardown
+                continue
+            _apply_event(rec, payload, now)
+        if rec.events and not had_tokens:  # the first token: patience no longer applies
+            timer.reschedule(asyncio.get_running_loop().time() + timeout_s - (now - rec.dispatched))
+        after = rec.plan.cancel_after
+        if after is not None and not rec.finished and tokens_seen(rec) >= after:
+            rec.cancelled = CANCEL_TOKENS
+            return  # leaving the `stream` block closes the connection: the server sees it
+
+
+async def send_one(client: httpx.AsyncClient, url: str, key: str | None, body: bytes,
+                   rec: Record, timeout_s: float) -> None:
+    """Send one request and fill ``rec``; never raises (except on cancellation).
+
+    ``sent`` is stamped by httpcore's trace hook when the request body has been written,
+    so connection set-up and request encoding (client work) are not charged to the
+    target; ``dispatched`` keeps when the client started on it.
+    """
+    loop = asyncio.get_running_loop()
+    rec.dispatched = rec.sent = time.perf_counter()
+
+    async def trace(event: str, info: dict[str, Any]) -> None:
+        if event == "http11.send_request_body.complete":
+            rec.sent = time.perf_counter()
+
+    patience = rec.plan.patience_s
+    first_limit = timeout_s if patience is None else min(patience, timeout_s)
+    timer = asyncio.timeout_at(loop.time() + first_limit)
+    try:
+        async with timer, client.stream("POST", url, content=body,
+                                 headers=_headers(key, rec.plan.idx),
+                                 extensions={"trace": trace}) as resp:
+            rec.status = resp.status_code
+            q = resp.headers.get("x-sluice-queue-ms")
+            rec.queue_ms = float(q) if q else None
+            if resp.status_code != 200:
+                text = (await resp.aread())[:300].decode(errors="replace")
+                rec.error = f"HTTP {resp.status_code}: {text}"
+            elif resp.headers.get("content-type", "").startswith("text/event-stream"):
+                await _read_stream(rec, resp, timer, timeout_s)
+            else:
+                rec.error = "not a stream"
+    except TimeoutError:
+        if not rec.events and patience is not None and patience < timeout_s:
+            rec.cancelled = CANCEL_PATIENCE
+        else:
+            rec.timed_out = True
+    except httpx.HTTPError as exc:
+        rec.error = rec.error or f"{type(exc).__name__}: {exc}"
+    if not rec.finished:
+        rec.done = time.perf_counter()
+
+
+async def _probe(client: httpx.AsyncClient, url: str, key: str | None, w: Workload,
+                 text: str, continuous: bool) -> httpx.Response:
+    body: dict[str, Any] = {"model": w.model, "max_tokens": 1, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if continuous:
+        body["stream_options"]["continuous_usage_stats"] = True
+    if w.api == "chat":
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = text
+    resp = await client.post(url, json=body, headers=_headers(key, -1))
+    return resp
+
+
+def _prompt_tokens(resp: httpx.Response) -> int:
+    for line in resp.text.splitlines():
+        if line.startswith("data:") and "prompt_tokens" in line:
+            usage = json.loads(line[5:]).get("usage") or {}
+            if usage.get("prompt_tokens") is not None:
+                return int(usage["prompt_tokens"])
+    raise RuntimeError("the target reports no usage.prompt_tokens; cannot size prompts")
+
+
+async def calibrate(base_url: str, key: str | None, w: Workload,
+                    ) -> tuple[Calibration, bool]:
+    """(prompt calibration, whether the target streams running usage), from two probes.
+
+    A target that refuses ``continuous_usage_stats`` (400) is probed again without it.
+    """
+    url = base_url + _endpoint(w)
+    async with httpx.AsyncClient(timeout=60.0) as client:
+        continuous = True
+        resp = await _probe(client, url, key, w, words(1, PROBE_WORDS[0]), True)
+        if resp.status_code == 400:
+            continuous = False
+            resp = await _probe(client, url, key, w, words(1, PROBE_WORDS[0]), False)
+        if resp.status_code != 200:
+            raise RuntimeError(f"probe request failed: HTTP {resp.status_code}: "
+                               f"{resp.text[:300]}")
+        p1 = _prompt_tokens(resp)
+        resp = await _probe(client, url, key, w, words(2, PROBE_WORDS[1]), continuous)
+        if resp.status_code != 200:
+            raise RuntimeError(f"probe request failed: HTTP {resp.status_code}")
+        p2 = _prompt_tokens(resp)
+    return Calibration.from_probes(PROBE_WORDS[0], p1, PROBE_WORDS[1], p2), continuous

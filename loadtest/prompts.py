@@ -1,0 +1,83 @@
+"""Prompts of a requested token length, for any target's tokenizer.
+
+The client cannot know an arbitrary server's tokenizer, so it builds prompts from a fixed
+list of common English words and calibrates, once per run, how many prompt tokens a word
+costs on that target: two probe requests (``max_tokens: 1``) of K1 and K2 words, whose
+``usage.prompt_tokens`` give a per-word cost and the fixed overhead (chat template, BOS).
+That works against Sluice, vLLM or OpenAI alike. Every request records the prompt tokens
+the server actually counted, so any residual error shows in the report instead of hiding.
+
+Each prompt is a different seeded shuffle of the words, so requests share no accidental
+prefix (which a prefix cache would reward); a class with a ``prefix_group`` starts with
+that group's fixed text instead, exactly as shared system prompts do.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+_WORD_TEXT = """
+time year people way day man thing woman life child world school state family student
+group country problem hand part place case week company system program question work
+government number night point home water room mother area money story fact month lot
+right study book eye job word business issue side kind head house service friend father
+power hour game line end member law car city community name president team minute idea
+kid body information back parent face others level office door health person art war
+history party result change morning reason research girl guy moment air teacher force
+"""
+WORDS = tuple(_WORD_TEXT.split())
+PROBE_WORDS = (16, 96)
+
+
+@dataclass(slots=True, frozen=True)
+class Calibration:
+    """prompt_tokens ~= overhead + per_word * words, measured on the target."""
+
+    per_word: float
+    overhead: float
+
+    @staticmethod
+    def from_probes(k1: int, p1: int, k2: int, p2: int) -> Calibration:
+        per_word = max(0.1, (p2 - p1) / (k2 - k1))
+        return Calibration(per_word, max(0.0, p1 - per_word * k1))
+
+    def words_for(self, tokens: float, with_overhead: bool = True) -> int:
+        left = tokens - (self.overhead if with_overhead else 0.0)
+        return max(1, round(left / self.per_word))
+
+
+def words(seed: int, n: int) -> str:
+    """``n`` words in an order fixed by ``seed``."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+class PromptBook:
+    """The prompt text of each request, fixed by the run's seed and the request's index."""
+
+    def __init__(self, calibration: Calibration, seed: int,
+                 prefixes: dict[str, int]) -> None:
+        self.cal = calibration
+        self.seed = seed
+        self._prefix_text = {name: words(hash_name(name, seed),
+                                         calibration.words_for(tokens, with_overhead=False))
+                             for name, tokens in prefixes.items()}
+        self._prefix_tokens = prefixes
+
+    def text(self, idx: int, input_tokens: int, prefix_group: str | None = None) -> str:
+        body_tokens = float(input_tokens)
+        head = ""
+        if prefix_group is not None and prefix_group in self._prefix_text:
+            head = self._prefix_text[prefix_group] + "\n"
+            body_tokens -= self._prefix_tokens[prefix_group]
+        n = self.cal.words_for(body_tokens)
+        return head + words(self.seed * 1_000_003 + idx, n)
+
+
+def hash_name(name: str, seed: int) -> int:
+    """A stable integer from a name (Python's str hash is salted per process)."""
+    h = seed
+    for ch in name.encode():
+        h = (h * 131 + ch) % (2**61 - 1)
+    return h
