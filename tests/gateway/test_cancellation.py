@@ -58,6 +58,24 @@ def all_free(s: dict[str, Any]) -> bool:
         and s["waiting"] == 0
 
 
+def backend_successes(up: SluiceUp) -> int:
+    """Requests the engine ran to completion (the backend's own count)."""
+    text = httpx.get(up.backend_url + "/metrics", timeout=5).text
+    assert "# TYPE sluice_backend_requests_total counter" in text
+    return sum(int(float(n)) for n in re.findall(
+        r'^sluice_backend_requests_total\{[^}]*outcome="success"[^}]*\} (\S+)$', text,
+        re.MULTILINE))
+
+
+async def wait_aborted(up: SluiceUp, successes_before: int) -> None:
+    """Every block free again, and not by completion: none of the LONG generations ran to
+    its end, so each was aborted. (A bounded wait, not a timed assert: a loaded machine
+    may take a while, but without the abort each request would hold its blocks for
+    LONG tokens and finish as a success.)"""
+    await wait_state(up, all_free, 30)
+    assert backend_successes(up) == successes_before
+
+
 def cancelled_count(up: SluiceUp) -> int:
     text = up.metrics()
     return sum(int(n) for n in re.findall(
@@ -80,7 +98,7 @@ def inflight(up: SluiceUp) -> int:
 async def test_fifty_clients_leaving_mid_generation_free_every_block(
         sluice_up: SluiceUp) -> None:
     await wait_state(sluice_up, all_free, 30)
-    before = cancelled_count(sluice_up)
+    before, successes = cancelled_count(sluice_up), backend_successes(sluice_up)
     clients = [raw_client(sluice_up) for _ in range(CLIENTS)]
     readers = await asyncio.gather(*(c.send(CHAT_PATH, body(i)) for i, c in enumerate(clients)))
     # every stream has produced tokens: all 50 are mid-generation in the engine
@@ -89,7 +107,7 @@ async def test_fifty_clients_leaving_mid_generation_free_every_block(
     assert state["running"] == CLIENTS and state["kv_blocks_free"] < state["kv_blocks_total"]
     for c in clients:
         c.disconnect()
-    await wait_state(sluice_up, all_free, 1.0)
+    await wait_aborted(sluice_up, successes)
     deadline = time.monotonic() + 5
     while cancelled_count(sluice_up) - before < CLIENTS and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
@@ -100,7 +118,7 @@ async def test_fifty_clients_leaving_mid_generation_free_every_block(
 async def test_clients_leaving_before_the_first_token_free_every_block(
         narrow: SluiceUp) -> None:
     await wait_state(narrow, all_free, 30)
-    before = cancelled_count(narrow)
+    before, successes = cancelled_count(narrow), backend_successes(narrow)
     clients = [raw_client(narrow) for _ in range(CLIENTS)]
     await asyncio.gather(*(c.send(CHAT_PATH, body(i)) for i, c in enumerate(clients)))
     # One runs; the rest wait in the gateway's queue, since the backend has room for one
@@ -112,7 +130,7 @@ async def test_clients_leaving_before_the_first_token_free_every_block(
     assert queued(narrow) == CLIENTS - 1
     for c in clients:
         c.disconnect()
-    await wait_state(narrow, all_free, 1.0)
+    await wait_aborted(narrow, successes)
     assert queued(narrow) == 0  # every waiting entry left with its client
     deadline = time.monotonic() + 5
     while cancelled_count(narrow) - before < CLIENTS and time.monotonic() < deadline:
@@ -123,11 +141,12 @@ async def test_clients_leaving_before_the_first_token_free_every_block(
 
 async def test_a_client_leaving_during_a_whole_answer_aborts_it(sluice_up: SluiceUp) -> None:
     await wait_state(sluice_up, all_free, 30)
+    successes = backend_successes(sluice_up)
     c = raw_client(sluice_up)
     await c.send(CHAT_PATH, {**body(0), "stream": False})
     await wait_state(sluice_up, lambda s: s["running"] == 1, 30)
     c.disconnect()
-    await wait_state(sluice_up, all_free, 1.0)
+    await wait_aborted(sluice_up, successes)
 
 
 def test_a_finished_stream_leaves_nothing_behind(sluice_up: SluiceUp) -> None:
@@ -136,6 +155,7 @@ def test_a_finished_stream_leaves_nothing_behind(sluice_up: SluiceUp) -> None:
                       json={**body(1), "max_tokens": 5}, timeout=60) as resp:
         lines = [line for line in resp.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
+    assert backend_successes(sluice_up) >= 1  # the count the abort checks rely on works
     state = sluice_up.backend_state()
     assert all_free(state), state
     assert inflight(sluice_up) == 0
