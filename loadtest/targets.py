@@ -47,7 +47,12 @@ class Service:
 
     def cpu_seconds(self) -> float:
         """User + system CPU time of every live process in this service's process group."""
-        total = 0
+        return sum(self.cpu_split())
+
+    def cpu_split(self) -> tuple[float, float]:
+        """CPU seconds of the service's own process, and of the rest of its process group
+        (its children: a span shipper, workers)."""
+        own = others = 0
         tick = os.sysconf("SC_CLK_TCK")
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
@@ -57,8 +62,12 @@ class Service:
             except OSError:
                 continue
             if int(fields[2]) == self.proc.pid:  # field 5, pgrp
-                total += int(fields[11]) + int(fields[12])  # utime, stime
-        return total / tick
+                ticks = int(fields[11]) + int(fields[12])  # utime, stime
+                if int(entry.name) == self.proc.pid:
+                    own += ticks
+                else:
+                    others += ticks
+        return own / tick, others / tick
 
     def log_tail(self, n: int = 20) -> str:
         try:

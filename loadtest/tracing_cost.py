@@ -93,6 +93,15 @@ async def joint_sweep(direct: Target, targets: list[Target], plan: Plan) -> dict
     return results
 
 
+def cpu_split_per_request(before: tuple[float, float], after: tuple[float, float],
+                          requests: int) -> dict[str, float]:
+    """The traced gateway's CPU per request in its serving process and in its shipper (the
+    rest of its process group), in µs."""
+    n = max(1, requests)
+    return {"serving": round((after[0] - before[0]) / n * 1e6, 1),
+            "shipper": round((after[1] - before[1]) / n * 1e6, 1)}
+
+
 def span_counts(port: int) -> dict[str, float]:
     """sluice_telemetry_spans_total by result, from a gateway's /metrics."""
     out: dict[str, float] = {}
@@ -139,11 +148,16 @@ async def _bench(plan: Plan, workdir: Path, stack: contextlib.ExitStack) -> dict
                               "receiver": endpoint}
     try:
         await warm_up([direct, *gateways])
+        split_before = traced.cpu_split()
         stats = await interleaved([direct, *gateways], plan.rate, plan.seconds,
                                   plan.segment_s, CHUNKS)
         report["at_rate"] = {k: asdict(v) for k, v in stats.items()}
         _table(f"(a) {plan.rate:g} requests/s streamed chat ({CHUNKS} chunks), "
                f"{plan.seconds:g} s per target", stats, "direct")
+        report["traced_cpu_split_us"] = split = cpu_split_per_request(
+            split_before, traced.cpu_split(), stats["traced"].n)
+        say(f"traced gateway's CPU per request: serving process {split['serving']:.0f} µs, "
+            f"span shipper {split['shipper']:.0f} µs")
         say("\n(b) highest open-loop rate with p99 added <= 50 ms and < 1% errors, both "
             "gateways loaded at each step")
         sweeps = await joint_sweep(direct, gateways, plan)

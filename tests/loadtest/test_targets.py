@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -134,3 +136,25 @@ def test_redis_mode_has_its_own_goals_and_refuses_self_check() -> None:
     with pytest.raises(SystemExit) as exc:
         overhead.main(["--redis", "--self-check"])
     assert exc.value.code == 2
+
+
+def test_cpu_split_puts_a_childs_cpu_apart_from_its_parents(tmp_path: Path) -> None:
+    # the parent idles while its child (same process group) burns ~0.4 s of CPU
+    burn = ("import os, subprocess, sys, time\n"
+            "c = subprocess.Popen([sys.executable, '-c', "
+            "'import time\\nt = time.process_time()\\nwhile time.process_time() - t < 0.4: pass'])\n"
+            "c.wait()\n"
+            "time.sleep(30)\n")
+    service = procs._spawn("burn", [sys.executable, "-c", burn], 0, tmp_path)
+    try:
+        deadline = time.monotonic() + 30
+        own, others = service.cpu_split()
+        while others < 0.3 and time.monotonic() < deadline:
+            # the child is counted while it lives: sample until it has burnt most of it
+            time.sleep(0.05)
+            own, others = service.cpu_split()
+        assert others >= 0.3
+        assert own < 0.3
+        assert service.cpu_seconds() >= own + 0.3 - 0.02
+    finally:
+        service.stop()
