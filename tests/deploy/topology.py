@@ -1,0 +1,211 @@
+"""The compose topology without Docker: redis-server, one bundled backend, a paced fake
+upstream, two `sluice gateway` replicas sharing Redis, and nginx in front, every process on
+a free 127.0.0.1 port in its own session, stopped by PID.
+
+nginx runs in the foreground (`daemon off`, prefix, pid and logs in the test's directory)
+with a main config written here and the shipped proxy settings included verbatim from
+docker/nginx-proxy.conf (compose's main config resolves Docker DNS, which a test cannot).
+A second nginx server block is the control: the same proxy settings with buffering and
+gzip forced on, to show that the streaming measurement notices a proxy that holds back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loadtest.targets import REPO_ROOT, Service, free_port, start_redis, wait_ready
+
+PROXY_CONF = REPO_ROOT / "docker" / "nginx-proxy.conf"
+ADMIN_KEY = "sk-deploy-operator"
+OPEN_KEY = "sk-deploy-open"  # tenant `open`: no quotas
+METERED_KEY = "sk-deploy-metered"  # tenant `metered`: tokens_per_minute = METERED_TPM
+METERED_TPM = 300
+TINY = "sluice-tiny"
+PACED = "paced"  # the fake upstream: PACED_CHUNKS content chunks, PACED_DELAY_MS apart
+PACED_CHUNKS = 24
+PACED_DELAY_MS = 25
+UPSTREAM_HEADER = "x-test-upstream"  # added by the test's nginx: which replica answered
+# The control server's changes to the shipped settings: what makes a proxy hold a token
+# stream back. (Buffering alone does not, in nginx: it still passes on what it has read;
+# gzip without the flushes of unbuffered proxying compresses into full buffers first.)
+CONTROL = {
+    "proxy_buffering off;": "proxy_buffering on;\nproxy_ignore_headers X-Accel-Buffering;",
+    "gzip off;": "gzip on;\ngzip_types text/event-stream;\ngzip_min_length 1;",
+}
+
+
+@dataclass
+class Topology:
+    redis: Service
+    backend: Service
+    paced: Service
+    gateways: list[Service]
+    nginx: Service
+    nginx_port: int
+    control_port: int
+    services: list[Service] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.nginx_port}"
+
+    @property
+    def control_url(self) -> str:
+        return f"http://127.0.0.1:{self.control_port}"
+
+    def gateway_url(self, i: int) -> str:
+        return f"http://127.0.0.1:{self.gateways[i].port}"
+
+    def replica_of(self, upstream_addr: str) -> int:
+        """Which gateway an `x-test-upstream` value (nginx's $upstream_addr) names."""
+        ports = [g.port for g in self.gateways]
+        return ports.index(int(upstream_addr.rsplit(":", 1)[1]))
+
+    def stop(self) -> None:
+        for service in reversed(self.services):
+            service.stop()
+
+
+def spawn(name: str, argv: list[str], port: int, workdir: Path,
+          env: dict[str, str] | None = None) -> Service:
+    """A child in its own session (stopping it stops its workers); SLUICE_* and OTEL_*
+    variables of the caller are dropped, so each process runs on its own config only."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("SLUICE_", "OTEL_"))}
+    full_env.update(PYTHONPATH=str(REPO_ROOT), **(env or {}))
+    log = workdir / f"{name}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, env=full_env)
+    return Service(name, proc, port, log)
+
+
+def _hash(key: str) -> str:
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def write_configs(workdir: Path, redis_url: str, backend_port: int, paced_port: int,
+                  ports: list[int]) -> list[Path]:
+    (workdir / "tenants.yaml").write_text(json.dumps({"tenants": [
+        {"id": "open", "keys": [_hash(OPEN_KEY)]},
+        {"id": "metered", "keys": [_hash(METERED_KEY)],
+         "quotas": {"tokens_per_minute": METERED_TPM}},
+    ]}))
+    configs = []
+    for i, port in enumerate(ports):
+        path = workdir / f"gateway{i}.yaml"
+        path.write_text(json.dumps({
+            "listen": {"host": "127.0.0.1", "port": port},
+            "tenants_file": "tenants.yaml",
+            "store": {"url": redis_url, "replicas": len(ports), "timeout_s": 1.0},
+            "admin": {"poll_interval_s": 0.25},
+            "shutdown_timeout_s": 2,
+            "models": [
+                {"name": TINY, "upstream": f"http://127.0.0.1:{backend_port}", "kind": "sluice",
+                 "tokenizer": "local:tiny"},
+                {"name": PACED, "upstream": f"http://127.0.0.1:{paced_port}", "kind": "openai",
+                 "tokenizer": "bytes",
+                 "versions": {"revision": "r1", "tokenizer": "bytes", "engine": "fake"}},
+            ]}))
+        configs.append(path)
+    return configs
+
+
+def nginx_conf(workdir: Path, gateway_ports: list[int], port: int, control_port: int) -> Path:
+    """The test's main config; both server blocks include the shipped proxy settings (the
+    control's copy with buffering forced on)."""
+    shipped = PROXY_CONF.read_text()
+    control = shipped
+    for setting, buffering in CONTROL.items():
+        if setting not in control:
+            raise AssertionError(f"{PROXY_CONF} no longer says `{setting}`")
+        control = control.replace(setting, buffering)
+    (workdir / "control-proxy.conf").write_text(control)
+    servers = "\n".join(f"        server 127.0.0.1:{p} max_fails=1 fail_timeout=5s;"
+                        for p in gateway_ports)
+    temp = "\n".join(f"    {kind}_temp_path {workdir}/{kind}_temp;"
+                     for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    user = "user root root;\n" if os.geteuid() == 0 else ""
+    conf = workdir / "nginx.conf"
+    conf.write_text(f"""\
+{user}daemon off;
+worker_processes 1;
+pid {workdir}/nginx.pid;
+error_log {workdir}/nginx-error.log warn;
+events {{ worker_connections 512; }}
+http {{
+    access_log off;
+{temp}
+    upstream sluice_gateways {{
+{servers}
+        keepalive 16;
+    }}
+    server {{
+        listen 127.0.0.1:{port};
+        add_header {UPSTREAM_HEADER} $upstream_addr always;
+        include {PROXY_CONF};
+    }}
+    server {{
+        listen 127.0.0.1:{control_port};
+        add_header {UPSTREAM_HEADER} $upstream_addr always;
+        include {workdir}/control-proxy.conf;
+    }}
+}}
+""")
+    return conf
+
+
+def start_topology(workdir: Path) -> Topology:
+    """Start everything (slow starters in parallel); on any failure stop what started."""
+    from backend.engine.tiny_model import ensure_tiny_model
+
+    nginx = shutil.which("nginx") or next(
+        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if Path(p).exists()), None)
+    if nginx is None:
+        raise RuntimeError("nginx is not installed (`make test` installs it from apt)")
+    ensure_tiny_model()  # before the backend and both gateways race to build it
+    started: list[Service] = []
+    try:
+        redis = start_redis(workdir)
+        started.append(redis)
+        sluice = [sys.executable, "-m", "sluice.cli"]
+        backend_port, paced_port = free_port(), free_port()
+        backend = spawn("backend", [*sluice, "backend", "--model", "tiny", "--port",
+                                    str(backend_port), "--threads", "1",
+                                    "--log-level", "warning"], backend_port, workdir)
+        started.append(backend)
+        paced = spawn("paced", [*sluice, "fake-upstream", "--port", str(paced_port),
+                                "--chunks", str(PACED_CHUNKS), "--delay-ms",
+                                str(PACED_DELAY_MS), "--model", PACED], paced_port, workdir)
+        started.append(paced)
+        # The gateways read the backend's versions at start: start them once it answers.
+        wait_ready(backend, "/health", 120)
+        wait_ready(paced, "/health", 60)
+        ports = [free_port(), free_port()]
+        configs = write_configs(workdir, f"redis://127.0.0.1:{redis.port}/0", backend_port,
+                                paced_port, ports)
+        gateways = []
+        for i, (port, config) in enumerate(zip(ports, configs, strict=True)):
+            gateways.append(spawn(f"gateway{i}", [*sluice, "gateway", "--config", str(config),
+                                                  "--log-level", "warning"], port, workdir,
+                                  env={"SLUICE_ADMIN_KEY": ADMIN_KEY}))
+            started.append(gateways[-1])
+        for gateway in gateways:
+            wait_ready(gateway, "/healthz", 120)
+        port, control_port = free_port(), free_port()
+        conf = nginx_conf(workdir, ports, port, control_port)
+        proxy = spawn("nginx", [nginx, "-p", str(workdir), "-c", str(conf),
+                                "-e", str(workdir / "nginx-error.log")], port, workdir)
+        started.append(proxy)
+        wait_ready(proxy, "/nginx-health", 20)
+        return Topology(redis, backend, paced, gateways, proxy, port, control_port, started)
+    except BaseException:
+        for service in reversed(started):
+            service.stop()
+        raise
