@@ -23,6 +23,9 @@ test: $(STAMP)
 	@command -v redis-server >/dev/null 2>&1 || { \
 		echo "installing redis-server"; \
 		apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; }
+	@command -v nginx >/dev/null 2>&1 || test -x /usr/sbin/nginx || { \
+		echo "installing nginx (tests/deploy)"; \
+		apt-get update -qq && apt-get install -y -qq nginx >/dev/null; }
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
