@@ -107,8 +107,13 @@ def _patience(p: Patience, v: float, z: float) -> float:
 
 
 def _pick(rng: np.random.Generator, weights: list[float]) -> int:
-    total = sum(weights)
-    return int(rng.choice(len(weights), p=[x / total for x in weights]))
+    """An index drawn with probability proportional to its weight (one uniform draw)."""
+    u = float(rng.random()) * sum(weights)
+    for i, x in enumerate(weights):
+        u -= x
+        if u < 0:
+            return i
+    return len(weights) - 1
 
 
 def _attributes(c: ClassSpec, rng: np.random.Generator,

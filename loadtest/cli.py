@@ -1,4 +1,4 @@
-"""Subcommands of the load-testing tools (`sluice fake-upstream`).
+"""Subcommands of the load-testing tools (`sluice loadtest`, `sluice fake-upstream`).
 
 The server code is imported inside the command function, so building the `sluice` parser
 stays cheap.
@@ -43,8 +43,19 @@ def _fake_upstream(args: argparse.Namespace) -> int:
     return 0
 
 
+def _loadtest(args: argparse.Namespace) -> int:
+    from loadtest.command import loadtest_main
+
+    return loadtest_main(args)
+
+
 def register(sub: Any) -> None:
     """Add the load-testing subcommands to the `sluice` parser."""
+    from loadtest.command import add_arguments
+
+    lt = sub.add_parser("loadtest", help="open-loop load test: goodput, SLOs, capacity report")
+    add_arguments(lt)
+    lt.set_defaults(func=_loadtest)
     p = sub.add_parser("fake-upstream",
                        help="instant OpenAI-compatible upstream for measuring gateway overhead")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")

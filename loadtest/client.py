@@ -232,8 +232,10 @@ async def calibrate(base_url: str, key: str | None, w: Workload,
     """(prompt calibration, whether the target streams running usage), from two probes.
 
     A target that refuses ``continuous_usage_stats`` (400) is probed again without it.
+    The probes use ``key``, or else the first class's key.
     """
     url = base_url + _endpoint(w)
+    key = key or next((k for c in w.classes if (k := c.api_key(None))), None)
     async with httpx.AsyncClient(timeout=60.0) as client:
         continuous = True
         resp = await _probe(client, url, key, w, words(1, PROBE_WORDS[0]), True)

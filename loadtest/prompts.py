@@ -27,7 +27,7 @@ kid body information back parent face others level office door health person art
 history party result change morning reason research girl guy moment air teacher force
 """
 WORDS = tuple(_WORD_TEXT.split())
-PROBE_WORDS = (16, 96)
+PROBE_WORDS = (1, 200)  # the short probe pins the overhead, the long one the slope
 
 
 @dataclass(slots=True, frozen=True)

@@ -61,6 +61,7 @@ def parse(text: str) -> dict[str, float]:
         except ValueError:
             continue
         if name == "sluice_gateway_responses_total":
+            out.setdefault("rejects", 0.0)
             s = _STATUS.search(labels or "")
             if s is not None and s.group(1) in ("429", "503"):
                 out["rejects"] = out.get("rejects", 0.0) + value

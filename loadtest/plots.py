@@ -1,0 +1,128 @@
+"""The report's PNG plots (matplotlib, Agg backend: no display needed).
+
+Four figures: latency CDFs per class, goodput against offered load (the sweep's curve, or
+the run's one point), a timeline of rate / queue / KV / rejects on the client's clock, and
+the outcome breakdown per class. Each function writes one file and returns its path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from loadtest.stats import OUTCOMES, Measured
+
+COLORS = {"success": "#2ca02c", "slo_miss": "#bcbd22", "rejected_429": "#ff7f0e",
+          "rejected_503": "#d62728", "timeout": "#9467bd", "error": "#7f7f7f",
+          "cancelled": "#17becf"}
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def latency_cdfs(by_class: dict[str, list[Measured]], out: Path) -> Path:
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, (attr, title) in zip(axes, (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"),
+                                        ("e2e_ms", "E2E")), strict=True):
+        for name, ms in by_class.items():
+            values = sorted(v for m in ms if (v := getattr(m, attr)) is not None)
+            if values:
+                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))],
+                        label=name, drawstyle="steps-post")
+        ax.set_title(f"{title} CDF")
+        ax.set_xlabel("ms")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("share of requests")
+    axes[0].legend(fontsize=8)
+    return _save(fig, out / "latency_cdf.png")
+
+
+def goodput_curve(points: list[dict[str, Any]], capacity: float | None, goal: float,
+                  out: Path) -> Path:
+    """``points``: [{offered_rps, goodput_rps, slo_attainment}] in offered order."""
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    pts = sorted(points, key=lambda p: p["offered_rps"])
+    xs = [p["offered_rps"] for p in pts]
+    ax.plot(xs, xs, ls=":", color="grey", label="offered")
+    ax.plot(xs, [p["goodput_rps"] for p in pts], marker="o", label="goodput")
+    ax.plot(xs, [p["achieved_rps"] for p in pts], marker=".", alpha=0.6, label="achieved")
+    ax.set_xlabel("offered load (req/s)")
+    ax.set_ylabel("req/s")
+    ax2 = ax.twinx()
+    ax2.plot(xs, [p["slo_attainment"] or 0 for p in pts], color="C3", marker="x",
+             label="SLO attainment")
+    ax2.axhline(goal, color="C3", ls="--", lw=0.8)
+    ax2.set_ylim(0, 1.05)
+    ax2.set_ylabel("joint SLO attainment")
+    if capacity:
+        ax.axvline(capacity, color="k", lw=0.8)
+        ax.text(capacity, 0, f" capacity {capacity:.3g}", va="bottom")
+    ax.legend(loc="upper left", fontsize=8)
+    ax2.legend(loc="lower right", fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.set_title("goodput vs offered load")
+    return _save(fig, out / "goodput_vs_load.png")
+
+
+def timeline(details: dict[str, Any], out: Path) -> Path:
+    rows = details["timeline"]
+    fig, axes = plt.subplots(3, 1, figsize=(10, 7), sharex=True)
+    t = [r["t"] for r in rows]
+    axes[0].plot(t, [r["sent"] for r in rows], label="sent/s")
+    axes[0].plot(t, [r["served"] for r in rows], label="served/s")
+    axes[0].plot(t, [r["success"] for r in rows], label="good/s")
+    axes[0].plot(t, [r["rejected"] for r in rows], label="rejected/s")
+    axes[0].plot(t, [r["cancelled"] for r in rows], label="abandoned/s")
+    axes[0].set_ylabel("req/s (client)")
+    scraped: dict[str, list[dict[str, Any]]] = {}
+    for s in details.get("scraped", []):
+        scraped.setdefault(s["url"], []).append(s)
+    for url, samples in scraped.items():
+        host = url.split("//", 1)[-1].split("/", 1)[0]
+        ts = [s["t"] for s in samples]
+        for key in ("queue", "running", "queue_backend", "running_backend"):
+            if any(key in s for s in samples):
+                axes[1].plot(ts, [s.get(key, 0) for s in samples], label=f"{key} {host}")
+        if any("kv_usage" in s for s in samples):
+            axes[2].plot(ts, [s.get("kv_usage", 0) for s in samples], label=f"KV use {host}")
+        if any("rejects" in s for s in samples):
+            rej = [s.get("rejects", 0) for s in samples]
+            rate = [0.0] + [max(0.0, (b - a) / max(1e-9, t1 - t0)) for a, b, t0, t1
+                            in zip(rej, rej[1:], ts, ts[1:], strict=False)]
+            axes[2].plot(ts, rate, label=f"rejects/s {host}", ls="--")
+    axes[1].set_ylabel("requests (server)")
+    axes[2].set_ylabel("KV share / rejects")
+    axes[2].set_xlabel("seconds since start")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="upper right")
+    if not scraped:
+        axes[1].text(0.5, 0.5, "no /metrics on the target", transform=axes[1].transAxes,
+                     ha="center")
+    fig.suptitle("timeline")
+    return _save(fig, out / "timeline.png")
+
+
+def outcomes(class_outcomes: dict[str, dict[str, int]], out: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 0.6 * len(class_outcomes) + 1.8))
+    names = list(class_outcomes)
+    left = [0] * len(names)
+    for o in OUTCOMES:
+        vals = [class_outcomes[n][o] for n in names]
+        ax.barh(names, vals, left=left, color=COLORS[o], label=o)
+        left = [a + b for a, b in zip(left, vals, strict=True)]
+    ax.set_xlabel("arrivals in the measured window")
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    ax.set_title("outcomes per class")
+    return _save(fig, out / "outcomes.png")
