@@ -36,6 +36,7 @@ log = logging.getLogger("sluice.gateway.admission")
 
 NO_RETRY_AFTER_S = 120.0  # past this wait, x-should-retry: false
 STORE_RETRY_AFTER_S = 1.0
+UNDO_AGAIN_S = 1.0  # a second try at undoing a timed-out reserve (it may land late)
 _LOG_EVERY_S = 10.0
 
 
@@ -140,6 +141,7 @@ class Admission:
         except StoreUnavailable as exc:
             self.store_errors += 1
             self.store_up = False
+            self._undo_lost(tenant.id, request_id)
             if tenant.fail_mode != "open":
                 self._log_store_down(exc, tenant, "refusing (fail_mode closed)")
                 raise ServiceUnavailable("admission is unavailable right now (quota store "
@@ -187,6 +189,23 @@ class Admission:
             self._last_log = now
             log.warning("quota store unreachable (%s): tenant %s: %s; %d store errors so far",
                         exc, tenant.id, action, self.store_errors)
+
+    def _undo_lost(self, tenant: str, request_id: str) -> None:
+        """A reserve that timed out may still have run in Redis (slow, not down): settle
+        that id at zero, now and once more later, so it holds nothing until its lease
+        expires. Settling an id that was never reserved changes nothing."""
+        task = asyncio.ensure_future(self._undo(tenant, request_id))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _undo(self, tenant: str, request_id: str) -> None:
+        for wait in (0.0, UNDO_AGAIN_S):
+            await asyncio.sleep(wait)
+            with contextlib.suppress(StoreError):
+                if await self.store.settle(tenant, request_id, 0):
+                    log.info("undid reservation %s of tenant %s left by a timed-out call",
+                             request_id, tenant)
+                    return
 
     # ---- settle ---------------------------------------------------------------------------
     def settle(self, ticket: Ticket, actual_tokens: int) -> None:

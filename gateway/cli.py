@@ -46,8 +46,21 @@ def demo_tenants() -> Any:
     ])
 
 
+def listen_socket(host: str, port: int, send_buffer_bytes: int) -> Any:
+    """A bound listening socket whose accepted connections inherit ``SO_SNDBUF``."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
 def _serve(app: Any, host: str, port: int, log_level: str, access_log: bool,
-           shutdown_timeout_s: float, on_ready: Any = None) -> int:
+           shutdown_timeout_s: float, on_ready: Any = None,
+           send_buffer_bytes: int | None = None) -> int:
     """Serve until SIGTERM/SIGINT, then drain gracefully and return (exit status 0)."""
     import uvicorn
 
@@ -71,7 +84,8 @@ def _serve(app: Any, host: str, port: int, log_level: str, access_log: bool,
                             timeout_graceful_shutdown=max(0.1, shutdown_timeout_s),  # type: ignore[arg-type]
                             lifespan="on", backlog=4096)
     server = Server(config)
-    server.run()
+    server.run(sockets=None if send_buffer_bytes is None
+               else [listen_socket(host, port, send_buffer_bytes)])
     return 0 if server.started else 1
 
 
@@ -108,7 +122,7 @@ def _gateway(args: argparse.Namespace) -> int:
               f"({len(config.models)} model(s))", flush=True)
 
     return _serve(app, host, port, args.log_level, args.access_log,
-                  config.shutdown_timeout_s, ready)
+                  config.shutdown_timeout_s, ready, config.listen.send_buffer_bytes)
 
 
 # ---- sluice up ------------------------------------------------------------------------------

@@ -54,6 +54,10 @@ class _Strict(BaseModel):
 class Listen(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    # Kernel send buffer of each client connection (SO_SNDBUF, inherited from the listening
+    # socket). None: Linux autotunes it up to tcp_wmem's max (4 MiB), which a client that
+    # stops reading fills before the stall timeout can start counting.
+    send_buffer_bytes: int | None = Field(None, ge=4096)
 
 
 class Timeouts(_Strict):

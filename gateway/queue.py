@@ -46,6 +46,7 @@ log = logging.getLogger("sluice.gateway.queue")
 DRAIN_WINDOW_S = 10.0
 POLL_S = 0.02  # other replicas' releases are not announced: re-try the gate this often
 DEFAULT_RETRY_S = 1.0
+UNDO_AGAIN_S = 1.0  # a second try at undoing a timed-out slot acquire (it may land late)
 
 
 class QueueFull(GatewayError):
@@ -235,6 +236,7 @@ class DispatchQueue:
             ok = await gate.acquire(self.upstream, request_id, tokens, cap_tokens, cap_seqs,
                                     self.slot_ttl_s)
         except StoreUnavailable as exc:
+            self._undo_lost(request_id)
             if not fail_open:
                 raise ServiceUnavailable("the capacity gate is unreachable",
                                          retry_after_s=DEFAULT_RETRY_S,
@@ -265,6 +267,23 @@ class DispatchQueue:
             log.warning("releasing slot %s of %s failed; it expires in %.0f s", request_id,
                         self.upstream, self.slot_ttl_s)
         self._wake.set()
+
+    def _undo_lost(self, request_id: str) -> None:
+        """An acquire that timed out may still have taken the slot in Redis (slow, not
+        down): release it now and once more later, as it may land late (a no-op if it never
+        landed), in a task the queue owns."""
+        async def undo() -> None:
+            for wait in (0.0, UNDO_AGAIN_S):
+                await asyncio.sleep(wait)
+                if self.held.get(request_id) is self.gate:
+                    return  # granted since (a retry of the same id): the slot is in use
+                with contextlib.suppress(StoreUnavailable):
+                    if await self.gate.release(self.upstream, request_id):
+                        return
+
+        task = asyncio.ensure_future(undo())
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
 
     def _class(self, w: Waiter, now: float) -> int:
         return w.priority - math.floor((now - w.arrival) / self.aging_s)

@@ -104,12 +104,17 @@ class ThreadedGateway:
             lifespan="on", timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.send_buffer_bytes = config.listen.send_buffer_bytes
 
     def _run(self) -> None:
         import uvloop  # the loop `sluice gateway` runs on
 
+        from gateway.cli import listen_socket
+
         self.loop = uvloop.new_event_loop()
-        self.loop.run_until_complete(self.server.serve())
+        sockets = None if self.send_buffer_bytes is None else [
+            listen_socket("127.0.0.1", self.port, self.send_buffer_bytes)]
+        self.loop.run_until_complete(self.server.serve(sockets=sockets))
 
     def __enter__(self) -> Self:
         self.thread.start()

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 import pytest
@@ -104,7 +104,7 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Replica]
 
 
 def pool_config(urls: list[str], *, solo: str | None = None, store_url: str | None = None,
-                **timeouts: Any) -> GatewayConfig:
+                send_buffer_bytes: int | None = None, **timeouts: Any) -> GatewayConfig:
     """Model "m" on the pool; "solo" on one server alone (no other to retry on)."""
     models = [ModelEntry(name="m", upstreams=urls, kind="sluice",  # type: ignore[arg-type]
                          upstream_model="sluice-tiny", tokenizer="local:tiny")]
@@ -114,7 +114,8 @@ def pool_config(urls: list[str], *, solo: str | None = None, store_url: str | No
     from gateway.config import AdmissionConfig, StoreConfig
 
     return GatewayConfig(
-        listen=Listen(port=free_port()), refresh_interval_s=3600, models=models,
+        listen=Listen(port=free_port(), send_buffer_bytes=send_buffer_bytes),
+        refresh_interval_s=3600, models=models,
         timeouts=Timeouts(**{"connect_s": 1.0, "read_s": 30.0, **timeouts}),
         store=StoreConfig(url=store_url, timeout_s=0.1),
         admission=AdmissionConfig(lease_ttl_s=3.0),
@@ -247,3 +248,57 @@ def raw_stream_socket(port: int, body: dict[str, Any], rcvbuf: int = 4096) -> so
               b"content-type: application/json\r\ncontent-length: "
               + str(len(payload)).encode() + b"\r\n\r\n" + payload)
     return s
+
+
+class DelayProxy:
+    """A TCP proxy (127.0.0.1) that holds every chunk from the server for ``delay`` s
+    before passing it on: a slow Redis, not a dead one. Runs its own loop in a thread."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = free_port()
+        self.delay = 0.0
+        self.loop: Any = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import asyncio
+
+        self.loop = asyncio.new_event_loop()
+        server = self.loop.run_until_complete(
+            asyncio.start_server(self._serve, "127.0.0.1", self.port))
+        self._stop = self.loop.create_future()
+        self._ready.set()
+        self.loop.run_until_complete(self._stop)
+        server.close()
+        self.loop.run_until_complete(server.wait_closed())
+        self.loop.close()
+
+    async def _serve(self, reader: Any, writer: Any) -> None:
+        import asyncio
+
+        up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target_port)
+
+        async def pipe(src: Any, dst: Any, delayed: bool) -> None:
+            try:
+                while data := await src.read(65536):
+                    if delayed and self.delay:
+                        await asyncio.sleep(self.delay)
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_w, False), pipe(up_r, writer, True))
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.loop.call_soon_threadsafe(self._stop.set_result, None)
+        self._thread.join(10)
