@@ -60,17 +60,34 @@ def listen_socket(host: str, port: int, send_buffer_bytes: int) -> Any:
 
 def _serve(app: Any, host: str, port: int, log_level: str, access_log: bool,
            shutdown_timeout_s: float, on_ready: Any = None,
-           send_buffer_bytes: int | None = None) -> int:
-    """Serve until SIGTERM/SIGINT, then drain gracefully and return (exit status 0)."""
+           send_buffer_bytes: int | None = None, drain_grace_s: float = 0.0) -> int:
+    """Serve until SIGTERM/SIGINT, then drain gracefully and return (exit status 0).
+
+    Drain: /readyz turns 503 and new generation requests get 503 + Retry-After at once;
+    for ``drain_grace_s`` the listener stays open (a load balancer sees the 503s and
+    stops sending), then uvicorn stops accepting and gives in-flight requests
+    ``shutdown_timeout_s`` to finish before cancelling them (they settle as cancelled).
+    A second signal skips the grace."""
+    import threading
+
     import uvicorn
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             # uvicorn re-raises a captured signal after shutting down, which would kill us
             # before `sluice up` stops its backend; handle it as a plain graceful exit.
+            first = not app.state.draining
             app.state.draining = True  # /readyz turns 503 while in-flight requests finish
+            if first and drain_grace_s > 0:
+                timer = threading.Timer(drain_grace_s, self._stop_accepting)
+                timer.daemon = True
+                timer.start()
+                return
             if self.should_exit and sig == signal.SIGINT:
                 self.force_exit = True
+            self.should_exit = True
+
+        def _stop_accepting(self) -> None:
             self.should_exit = True
 
         async def startup(self, sockets: Any = None) -> None:
@@ -122,7 +139,8 @@ def _gateway(args: argparse.Namespace) -> int:
               f"({len(config.models)} model(s))", flush=True)
 
     return _serve(app, host, port, args.log_level, args.access_log,
-                  config.shutdown_timeout_s, ready, config.listen.send_buffer_bytes)
+                  config.shutdown_timeout_s, ready, config.listen.send_buffer_bytes,
+                  config.drain_grace_s)
 
 
 # ---- sluice up ------------------------------------------------------------------------------

@@ -271,7 +271,9 @@ class GatewayConfig(_Strict):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     refresh_interval_s: float = Field(10.0, gt=0)
     timeouts: Timeouts = Timeouts()
-    shutdown_timeout_s: float = Field(30.0, ge=0)
+    shutdown_timeout_s: float = Field(30.0, ge=0)  # in-flight requests may finish this long
+    # after SIGTERM: /readyz 503 and new requests 503 this long before the listener closes
+    drain_grace_s: float = Field(0.0, ge=0)
     telemetry: TelemetryConfig = TelemetryConfig()  # the OTEL_* environment wins over it
 
     @model_validator(mode="after")
