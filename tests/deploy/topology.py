@@ -1,5 +1,5 @@
-"""The compose topology without Docker: redis-server, one bundled backend, a paced fake
-upstream, two `sluice gateway` replicas sharing Redis, and nginx in front, every process on
+"""The compose topology without Docker: redis-server, one bundled backend, two paced fake
+upstreams, two `sluice gateway` replicas sharing Redis, and nginx in front, every process on
 a free 127.0.0.1 port in its own session, stopped by PID.
 
 nginx runs in the foreground (`daemon off`, prefix, pid and logs in the test's directory)
@@ -31,6 +31,8 @@ TINY = "sluice-tiny"
 PACED = "paced"  # the fake upstream: PACED_CHUNKS content chunks, PACED_DELAY_MS apart
 PACED_CHUNKS = 24
 PACED_DELAY_MS = 25
+LONG = "paced-long"  # the same pace, LONG_CHUNKS chunks (~2 s): in flight while a replica dies
+LONG_CHUNKS = 80
 UPSTREAM_HEADER = "x-test-upstream"  # added by the test's nginx: which replica answered
 # The control server's changes to the shipped settings: what makes a proxy hold a token
 # stream back. (Buffering alone does not, in nginx: it still passes on what it has read;
@@ -46,6 +48,7 @@ class Topology:
     redis: Service
     backend: Service
     paced: Service
+    long: Service
     gateways: list[Service]
     nginx: Service
     nginx_port: int
@@ -90,7 +93,7 @@ def _hash(key: str) -> str:
     return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
 
 
-def write_configs(workdir: Path, redis_url: str, backend_port: int, paced_port: int,
+def write_configs(workdir: Path, redis_url: str, backend_port: int, paced_ports: list[int],
                   ports: list[int]) -> list[Path]:
     (workdir / "tenants.yaml").write_text(json.dumps({"tenants": [
         {"id": "open", "keys": [_hash(OPEN_KEY)]},
@@ -109,9 +112,10 @@ def write_configs(workdir: Path, redis_url: str, backend_port: int, paced_port: 
             "models": [
                 {"name": TINY, "upstream": f"http://127.0.0.1:{backend_port}", "kind": "sluice",
                  "tokenizer": "local:tiny"},
-                {"name": PACED, "upstream": f"http://127.0.0.1:{paced_port}", "kind": "openai",
-                 "tokenizer": "bytes",
-                 "versions": {"revision": "r1", "tokenizer": "bytes", "engine": "fake"}},
+                *({"name": name, "upstream": f"http://127.0.0.1:{port}", "kind": "openai",
+                   "tokenizer": "bytes",
+                   "versions": {"revision": "r1", "tokenizer": "bytes", "engine": "fake"}}
+                  for name, port in zip((PACED, LONG), paced_ports, strict=True)),
             ]}))
         configs.append(path)
     return configs
@@ -175,7 +179,7 @@ def start_topology(workdir: Path) -> Topology:
         redis = start_redis(workdir)
         started.append(redis)
         sluice = [sys.executable, "-m", "sluice.cli"]
-        backend_port, paced_port = free_port(), free_port()
+        backend_port, paced_port, long_port = free_port(), free_port(), free_port()
         backend = spawn("backend", [*sluice, "backend", "--model", "tiny", "--port",
                                     str(backend_port), "--threads", "1",
                                     "--log-level", "warning"], backend_port, workdir)
@@ -184,12 +188,17 @@ def start_topology(workdir: Path) -> Topology:
                                 "--chunks", str(PACED_CHUNKS), "--delay-ms",
                                 str(PACED_DELAY_MS), "--model", PACED], paced_port, workdir)
         started.append(paced)
+        long = spawn("long", [*sluice, "fake-upstream", "--port", str(long_port),
+                              "--chunks", str(LONG_CHUNKS), "--delay-ms", str(PACED_DELAY_MS),
+                              "--model", LONG], long_port, workdir)
+        started.append(long)
         # The gateways read the backend's versions at start: start them once it answers.
         wait_ready(backend, "/health", 120)
         wait_ready(paced, "/health", 60)
+        wait_ready(long, "/health", 60)
         ports = [free_port(), free_port()]
         configs = write_configs(workdir, f"redis://127.0.0.1:{redis.port}/0", backend_port,
-                                paced_port, ports)
+                                [paced_port, long_port], ports)
         gateways = []
         for i, (port, config) in enumerate(zip(ports, configs, strict=True)):
             gateways.append(spawn(f"gateway{i}", [*sluice, "gateway", "--config", str(config),
@@ -204,7 +213,8 @@ def start_topology(workdir: Path) -> Topology:
                                 "-e", str(workdir / "nginx-error.log")], port, workdir)
         started.append(proxy)
         wait_ready(proxy, "/nginx-health", 20)
-        return Topology(redis, backend, paced, gateways, proxy, port, control_port, started)
+        return Topology(redis, backend, paced, long, gateways, proxy, port, control_port,
+                        started)
     except BaseException:
         for service in reversed(started):
             service.stop()
