@@ -12,9 +12,11 @@ The retry waits a fully jittered backoff, gives its capacity slot back on the fa
 and takes one on the next (its quota reservation stays: the request is charged once, at
 settlement). An upstream's Retry-After keeps its member out of routing until then.
 
-Every attempt records its outcome on the member's breaker exactly once (``Attempt.done``)
-and is its own ``sluice.upstream`` phase on the trace, with the member, the attempt number,
-the breaker state and, when it failed, ``error.type`` (the fault, e.g. a timeout's kind).
+Every attempt records its outcome on the member's breaker exactly once (``Attempt.done``,
+called by ``Exchange.call_member``) and is its own ``sluice.upstream`` phase on the trace,
+with the member, the attempt number, the breaker state (and the transition the outcome
+caused) and, when it failed, ``error.type`` (the fault, e.g. a timeout's kind); the wait
+before a retry is a ``sluice.retry.backoff`` phase.
 """
 
 from __future__ import annotations
@@ -95,9 +97,8 @@ async def call_with_failover(ex: Exchange) -> None:
     while True:
         attempt = ex.attempt
         try:
-            await ex.call_member(attempt.member)
+            await ex.call_member(attempt.member)  # judges the member on its breaker
         except Fault as fault:
-            attempt.done("failure")
             gw.metrics.count_failure(attempt.member, fault.reason)
             if fault.retry_after_s:
                 m = attempt.member
@@ -108,13 +109,6 @@ async def call_with_failover(ex: Exchange) -> None:
             tried.add(nxt.member.key)
             await _move_to(ex, nxt, budget.backoff(nxt.number - 1))
             continue
-        except (GatewayError, asyncio.CancelledError):
-            attempt.done("neutral")  # a 4xx, a version change, the client gone: not its fault
-            raise
-        except BaseException:
-            attempt.done("neutral")
-            raise
-        attempt.done("success")
         return
 
 

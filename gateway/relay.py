@@ -20,6 +20,7 @@ import time
 import uuid
 from typing import Any
 
+from policies.breaker import Outcome
 from telemetry import priority_class
 
 from .admission import Ticket
@@ -262,18 +263,25 @@ class Exchange:
             headers.append((b"x-sluice-tenant", self.tenant.id.encode()))
         self.upstream_status = 0
         failed: str | None = None
+        verdict: Outcome = "neutral"  # a 4xx, the client gone: says nothing of the server
         try:
             await self._exchange_upstream(p, member, path, headers)
+            verdict = "success"
         except Fault as fault:
-            failed = fault.reason
+            failed, verdict = fault.reason, "failure"
             raise
         except GatewayError as err:
             failed = err.code or type(err).__name__
             raise
         finally:
+            before = member.breaker.state
+            self.attempt.done(verdict)  # judged here, so that a transition is on this span
             attrs: dict[str, Any] = {"http.response.status_code": self.upstream_status}
             if failed is not None:
                 attrs["error.type"] = failed
+            after = member.breaker.state
+            if after != before:
+                attrs["sluice.breaker.transition"] = f"{before}->{after}"
             trace.end(span, **attrs)
 
     async def _exchange_upstream(self, p: Prepared, member: Member, path: str,

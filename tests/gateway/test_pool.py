@@ -141,3 +141,41 @@ def test_a_dead_server_is_routed_around(fakes: tuple[FakeBackend, FakeBackend]) 
                       + a.url + '",reason="connect"}') == 2
         ready = httpx.get(g.url + "/readyz").json()
         assert ready["status"] == "ready" and ready["checks"]["m"]["detail"].startswith("1/2")
+
+
+def test_retries_and_breaker_moves_are_on_the_trace(
+        fakes: tuple[FakeBackend, FakeBackend], monkeypatch: pytest.MonkeyPatch) -> None:
+    from loadtest.otlp_sink import OtlpReceiver
+    from telemetry.config import TelemetryConfig, TracesConfig
+
+    a, b = fakes
+    a.mode = "500"
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    with OtlpReceiver() as rx:
+        cfg = pool_config([a.url, b.url]).model_copy(update={"telemetry": TelemetryConfig(
+            traces=TracesConfig(exporter="otlp", endpoint=rx.endpoint))})
+        with ThreadedGateway(cfg, tenants_for_tests()) as g:
+            for rid in ("first", "second"):
+                resp = httpx.post(g.url + "/v1/chat/completions", json=CHAT, timeout=30,
+                                  headers={**auth(), "x-request-id": rid})
+                assert resp.status_code == 200
+
+            def upstream_spans(rid: str, spans: list[Any]) -> list[Any]:
+                root = [s for s in spans if s.name == "sluice.request"
+                        and s.attributes.get("sluice.request.id") == rid]
+                return [] if not root else sorted(
+                    (s for s in spans if s.parent_span_id == root[0].span_id
+                     and s.name in ("sluice.upstream", "sluice.retry.backoff")),
+                    key=lambda s: s.start_ns)
+
+            spans = rx.wait_for(lambda sp: len(upstream_spans("second", sp)) == 3, timeout=15)
+    first, backoff, second = upstream_spans("second", spans)
+    assert first.attributes["sluice.upstream.member"] == a.url
+    assert first.attributes["sluice.attempt"] == 1
+    assert first.attributes["error.type"] == "http_500"
+    assert first.attributes["sluice.breaker.transition"] == "closed->open"
+    assert backoff.name == "sluice.retry.backoff" and backoff.attributes["sluice.attempt"] == 2
+    assert second.attributes["sluice.upstream.member"] == b.url
+    assert second.attributes["sluice.attempt"] == 2
+    assert second.attributes["http.response.status_code"] == 200
+    assert "error.type" not in second.attributes
