@@ -14,6 +14,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from backend.engine.model_config import ModelConfig
+
 from .plan import (
     GIB,
     LengthMix,
@@ -28,10 +30,9 @@ from .plan import (
 )
 
 
-def load_model_config(path: str) -> Any:
+def load_model_config(path: str) -> ModelConfig:
     """A model directory holding config.json, or the config.json file itself."""
     from backend.engine.errors import ModelLoadError
-    from backend.engine.model_config import ModelConfig
 
     p = Path(path)
     try:
@@ -90,7 +91,7 @@ def _bytes(n: int) -> str:
     return f"{n / 1024:,.1f} KiB = {n:,} B" if n >= 1024 else f"{n:,} B"
 
 
-def render(plan: Plan, cfg: Any, inp: PlanInput, gpu_text: str) -> str:
+def render(plan: Plan, cfg: ModelConfig, inp: PlanInput, gpu_text: str) -> str:
     kv_dtype = resolved_kv_dtype(inp)
     lines: list[str] = []
     add = lines.append

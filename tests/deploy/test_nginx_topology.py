@@ -52,7 +52,8 @@ def auth(key: str) -> dict[str, str]:
     return {"authorization": f"Bearer {key}"}
 
 
-def chat(model: str, max_tokens: int, stream: bool, text: str = "tell me a story") -> dict:
+def chat(model: str, max_tokens: int, stream: bool,
+         text: str = "tell me a story") -> dict[str, Any]:
     return {"model": model, "messages": [{"role": "user", "content": text}],
             "max_tokens": max_tokens, "temperature": 0, "stream": stream}
 
