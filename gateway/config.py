@@ -318,6 +318,22 @@ class QuotasConfig(_Strict):
     max_queued: int | None = Field(None, ge=0)
 
 
+class FallbackConfig(_Strict):
+    model: str  # a public model name the tenant may use
+    at: float = Field(0.9, gt=0)  # from this load of the requested model
+
+
+class DegradeConfig(_Strict):
+    """What a tenant's traffic gives up under overload (policies/degrade.py). Load: the
+    model's in-flight plus waiting worst-case tokens ÷ its capacity (this replica's view)."""
+
+    batch_priority: int = 7  # priority >= this is the batch class (lower is more urgent)
+    clamp_at: float = Field(0.8, gt=0)
+    clamp_max_tokens: int = Field(256, ge=1)
+    shed_batch_at: float = Field(0.95, gt=0)
+    fallback: FallbackConfig | None = None
+
+
 class TenantEntry(_Strict):
     id: str
     name: str = ""
@@ -329,6 +345,7 @@ class TenantEntry(_Strict):
     weight: float = Field(1.0, gt=0)  # share of dispatches among tenants of one priority
     # closed: 503 while the store is unreachable; open: admit within limit / replicas locally
     fail_mode: Literal["closed", "open"] = "closed"
+    degrade: DegradeConfig | None = None  # none: no degradation, only shedding when full
 
     @field_validator("id")
     @classmethod

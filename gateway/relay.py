@@ -207,6 +207,8 @@ class Exchange:
                        max_tokens=p.max_tokens, temperature=body.get("temperature"),
                        top_p=body.get("top_p"), stream=p.stream, worst_case=p.worst_case)
         self.trace.stamp(p.stamp)
+        if p.degraded:
+            self.trace.set(**{"sluice.degraded": p.degraded})
 
     async def _reserve(self, p: Prepared) -> Ticket:
         """Reserve the worst case. The store call is shielded: a client leaving mid-call
@@ -337,6 +339,8 @@ class Exchange:
             headers += self.ticket.decision.rate.as_headers()
         if p.clamped:
             headers.append((b"x-sluice-clamped", p.clamped.encode()))
+        if p.degraded:
+            headers.append((b"x-sluice-degraded", p.degraded.encode()))
         return headers
 
     async def _relay_stream(self, p: Prepared, resp: Response) -> None:

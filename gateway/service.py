@@ -14,12 +14,13 @@ import contextlib
 import hashlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
 from opentelemetry import trace
 
+from policies.degrade import decide
 from policies.retry_budget import RetryBudget, RetryPolicy
 from telemetry import Telemetry
 
@@ -67,6 +68,7 @@ class Prepared:
     clamped: str | None = None  # x-sluice-clamped value
     deadline: float | None = None  # monotonic time the client gives up at
     total_timeout: bool = False  # the deadline is the gateway's timeouts.total_s
+    degraded: str | None = None  # x-sluice-degraded: the degradation applied, if any
     received: float = field(default_factory=time.monotonic)
 
 
@@ -183,6 +185,7 @@ class Gateway:
         that errors after resolution are stamped too."""
         req = parse(kind, body)
         up, pin = self.resolve_model(tenant, req.model)
+        up, degraded = self._fallback(tenant, req.priority, up, pin)
         versions = await self.versions_of(up)
         stamp = Stamp(up.name, versions, tenant.policy_version)
         stamp_out.append(stamp)
@@ -225,6 +228,8 @@ class Gateway:
         if "cache_salt" in up.capabilities:
             out["cache_salt"] = self.cache_salt(tenant)
         max_tokens, clamped = self._limit_tokens(req, out, tenant)
+        if degraded is None and tenant.degrade is not None:
+            max_tokens, degraded = self._degrade(tenant, priority, up, max_tokens, out)
         stream = bool(req.stream)
         opts = req.stream_options
         client_usage = bool(opts and opts.include_usage)
@@ -247,8 +252,54 @@ class Gateway:
             kind=kind, request_id=request_id, tenant=tenant, upstream=up, stamp=stamp,
             stream=stream, client_usage=client_usage, client_continuous=client_continuous,
             priority=priority, prompt_tokens=prompt_tokens, prompt_exact=up.counter.exact,
-            max_tokens=max_tokens, body=out, pin=pin, clamped=clamped,
+            max_tokens=max_tokens, body=out, pin=pin, clamped=clamped, degraded=degraded,
             **self._deadline(deadline_ms))
+
+    # ---- degradation (policies/degrade.py) -------------------------------------------------
+    def load_of(self, up: Upstream) -> float:
+        """In-flight plus waiting worst-case tokens ÷ the pool's capacity (this replica's)."""
+        used = cap = 0
+        for m in up.members:
+            q = self.queues[m.key]
+            used += q.held_tokens + sum(w.tokens for d in q.waiting.values() for w in d)
+            cap += m.limits()[0] or 0
+        if cap == 0:
+            return 1.0 if any(self.queues[m.key].size for m in up.members) else 0.0
+        return used / cap
+
+    def _fallback(self, tenant: Tenant, asked: int | None, up: Upstream,
+                  pin: str | None) -> tuple[Upstream, str | None]:
+        """The tenant's fallback model instead of ``up`` when ``up`` is overloaded."""
+        rules = tenant.degrade
+        if rules is None or rules.fallback_model is None or rules.fallback_model == up.name:
+            return up, None
+        fb = self.upstreams.get(rules.fallback_model)
+        if fb is None or not tenant.may_use(fb.name):
+            return up, None
+        priority = tenant.priority.default if asked is None else asked
+        d = decide(rules, priority, self.load_of(up), None, pinned=pin is not None)
+        if d is None or d.action != "fallback":
+            return up, None
+        return fb, d.describe(model=up.name)
+
+    def _degrade(self, tenant: Tenant, priority: int, up: Upstream, max_tokens: int | None,
+                 out: dict[str, Any]) -> tuple[int | None, str | None]:
+        """Shed (raises 503) or clamp a batch request under load; (max_tokens, note)."""
+        assert tenant.degrade is not None
+        rules = replace(tenant.degrade, fallback_model=None)
+        d = decide(rules, priority, self.load_of(up), max_tokens)
+        if d is None:
+            return max_tokens, None
+        if d.action == "shed":
+            err = ServiceUnavailable(f"the model {up.name!r} is overloaded ({d.load:.0%} of "
+                                     f"its capacity): batch requests are shed first",
+                                     retry_after_s=1.0, code="degraded_shed")
+            err.extra_headers.append((b"x-sluice-degraded", d.describe().encode()))
+            raise err
+        field_name = "max_completion_tokens" if "max_completion_tokens" in out \
+            else "max_tokens"
+        out[field_name] = d.max_tokens
+        return d.max_tokens, d.describe(asked=max_tokens)
 
     def _deadline(self, deadline_ms: int | None) -> dict[str, Any]:
         """The client's deadline, or ``timeouts.total_s`` from now if that is sooner."""

@@ -14,6 +14,7 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from policies.degrade import DegradeRules
 from policies.quotas import Quotas
 
 from .config import Caps, PriorityRange, TenantEntry, TenantsFile
@@ -21,6 +22,15 @@ from .errors import AuthenticationFailed
 
 _BEARER = b"bearer "
 MAX_KEY_BYTES = 512
+
+
+def _rules(entry: TenantEntry) -> DegradeRules | None:
+    d = entry.degrade
+    if d is None:
+        return None
+    fb = d.fallback
+    return DegradeRules(d.batch_priority, d.clamp_at, d.clamp_max_tokens, d.shed_batch_at,
+                        fb.model if fb else None, fb.at if fb else 0.9)
 
 
 def hash_key(key: str) -> str:
@@ -40,6 +50,7 @@ class Tenant:
     fail_mode: str  # closed | open
     weight: float  # fair share of dispatches within a priority class
     policy_version: str  # `<id>@<12 hex>` of everything but the keys: goes into the stamp
+    degrade: DegradeRules | None = None
 
     def may_use(self, model: str) -> bool:
         return "*" in self.models or model in self.models
@@ -57,7 +68,7 @@ class Tenant:
                                  tokens_per_month=q.tokens_per_month,
                                  max_concurrency=q.max_concurrency),
                    max_queued=q.max_queued, fail_mode=entry.fail_mode, weight=entry.weight,
-                   policy_version=f"{entry.id}@{digest[:12]}")
+                   policy_version=f"{entry.id}@{digest[:12]}", degrade=_rules(entry))
 
 
 class KeyRing:
