@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install clean bench
+.PHONY: run test install clean bench capacity
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m backend.bench --quick
+
+# Gateway vs the same backend direct at 1x and 2x the swept capacity (docs/loadtest.md).
+capacity: $(STAMP)
+	$(PY) -m loadtest.capacity --out capacity-report
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
