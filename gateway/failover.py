@@ -59,6 +59,7 @@ class Attempt:
 
     def begin(self) -> None:
         self.member.inflight_tokens += self.tokens
+        self.member.inflight_requests += 1
 
     def done(self, outcome: Outcome) -> None:
         """Judge the server once; frees a half-open probe place and the load it carried."""
@@ -66,6 +67,7 @@ class Attempt:
             return
         self.recorded = True
         self.member.inflight_tokens -= self.tokens
+        self.member.inflight_requests -= 1
         self.member.breaker.record(self.grant, outcome)
 
 

@@ -9,8 +9,9 @@ Routing (``Router.pick``), among the members whose breaker lets a request throug
 still inside the Retry-After it answered with is taken only when no other can):
     least_load  the fewest in-flight worst-case tokens per unit of weight (this replica's);
     prefix      rendezvous hashing of (tenant, the prompt's first ``prefix_chars``) over the
-                members, taking the first in hash order whose load stays within
-                ``load_bound`` × the average (consistent hashing with bounded loads), so
+                members, taking the first in hash order whose in-flight requests stay
+                within ⌈``load_bound`` × the average⌉ (consistent hashing with bounded
+                loads), so
                 requests sharing a prefix meet the same prefix cache, and a hot prefix
                 spills over instead of overloading one server.
 The prefix key reads characters, not tokens: the hash needs the same start to give the same
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,6 +52,7 @@ class Member:
         self.max_seqs: int | None = None
         self.overcommit = 1.0
         self.inflight_tokens = 0  # worst-case tokens this replica has sent here, not ended
+        self.inflight_requests = 0
         self.not_before = 0.0  # its Retry-After: no new request before this clock time
         self.last_error: str | None = None
 
@@ -132,9 +135,13 @@ class Router:
         if key is None:
             return by_load + later
         ranked = sorted(live, key=lambda m: _score(key, m.key), reverse=True)
-        total = sum(m.inflight_tokens for m in live) + tokens
-        bound = self.load_bound * total / sum(m.weight for m in live)
-        fits = [m for m in ranked if (m.inflight_tokens + tokens) / m.weight <= bound]
+        # the bound in requests, rounded up (Mirrokni et al.): at low load a member may
+        # take a few requests past the exact average, or a shared prefix would spill
+        # on every request that found its member busy
+        total = sum(m.inflight_requests for m in live) + 1
+        weight = sum(m.weight for m in live)
+        fits = [m for m in ranked if m.inflight_requests + 1
+                <= math.ceil(self.load_bound * total * m.weight / weight)]
         return fits + [m for m in by_load if m not in fits] + later
 
 

@@ -239,6 +239,26 @@ async def _routing(stack: Stack, seconds: float) -> dict[str, Any]:
             "goodput_rps": m.report["goodput_rps"], "outcomes": m.report["outcomes"]}
 
 
+def _part1(tmp: Path, args: argparse.Namespace) -> None:
+    tmp.mkdir()
+    stack = Stack(tmp, "least_load")
+    try:
+        cap = asyncio.run(_capacity(stack.url))
+        rate = args.load * cap
+        res = asyncio.run(_failover(stack, rate, args.duration, args.kill_at))
+    finally:
+        stack.close()
+    survivor = min(res["pre_goodput"] or rate, cap / 2)
+    rec = _recovery(res, survivor)
+    print(f"pool capacity {cap:.1f} req/s (closed loop, 16 streams, max_tokens 32); "
+          f"offered {rate:.1f} req/s ({args.load:.0%}), {len(res['out'])} requests")
+    print(f"failed requests            {len(res['failed']):>6}   {res['kinds']}")
+    print(f"in flight on the killed    {res['in_flight']:>6.0f}   (gateway slots_held "
+          f"for that member just before SIGKILL)")
+    print(f"recovery to {survivor:.1f} req/s  {rec if rec is not None else 'never':>6} s  "
+          f"target <= cooldown {COOLDOWN_S} s + 2 s = {COOLDOWN_S + 2} s")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=20.0)
@@ -246,27 +266,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load", type=float, default=0.7, help="share of the pool's capacity")
     p.add_argument("--prefix-duration", type=float, default=30.0)
     p.add_argument("--skip-routing", action="store_true")
+    p.add_argument("--skip-failover", action="store_true")
     args = p.parse_args(argv)
     from backend.engine.tiny_model import ensure_tiny_model
 
     ensure_tiny_model()
     with tempfile.TemporaryDirectory(prefix="sluice-failover-") as d:
-        stack = Stack(Path(d), "least_load")
-        try:
-            cap = asyncio.run(_capacity(stack.url))
-            rate = args.load * cap
-            res = asyncio.run(_failover(stack, rate, args.duration, args.kill_at))
-        finally:
-            stack.close()
-        survivor = min(res["pre_goodput"] or rate, cap / 2)
-        rec = _recovery(res, survivor)
-        print(f"pool capacity {cap:.1f} req/s (closed loop, 16 streams, max_tokens 32); "
-              f"offered {rate:.1f} req/s ({args.load:.0%}), {len(res['out'])} requests")
-        print(f"failed requests            {len(res['failed']):>6}   {res['kinds']}")
-        print(f"in flight on the killed    {res['in_flight']:>6.0f}   (gateway slots_held "
-              f"for that member just before SIGKILL)")
-        print(f"recovery to {survivor:.1f} req/s  {rec if rec is not None else 'never':>6} s  "
-              f"target <= cooldown {COOLDOWN_S} s + 2 s = {COOLDOWN_S + 2} s")
+        if not args.skip_failover:
+            _part1(Path(d) / "failover", args)
         if args.skip_routing:
             return 0
         rows = {}

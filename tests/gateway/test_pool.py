@@ -179,3 +179,33 @@ def test_retries_and_breaker_moves_are_on_the_trace(
     assert second.attributes["sluice.attempt"] == 2
     assert second.attributes["http.response.status_code"] == 200
     assert "error.type" not in second.attributes
+
+
+def test_prefix_routing_is_sticky_within_its_load_bound() -> None:
+    from gateway.http_client import Pool
+    from gateway.pool import Router, build_members
+    from policies.breaker import BreakerPolicy
+
+    entry = ModelEntry(name="m", upstreams=[f"http://127.0.0.1:{9000 + i}" for i in range(3)],
+                       routing="prefix", load_bound=1.25)  # type: ignore[arg-type]
+    pools = [Pool(m.url, max_connections=1, connect_s=1, read_s=1) for m in entry.members]
+    members = build_members(entry, pools, BreakerPolicy())
+    router = Router(entry, members)
+    faq = [{"role": "user", "content": "the long shared document " * 20 + f"question {i}"}
+           for i in range(6)]
+    keys = [router.prefix_key("alpha", msgs) for msgs in ([m] for m in faq)]
+    assert len(set(keys)) == 1  # the shared start is what is hashed
+    home, grant = router.pick(100, keys[0])
+    assert all(router.pick(100, k)[0] is home for k in keys)  # nothing in flight: sticky
+    other = router.prefix_key("beta", [faq[0]])
+    assert other != keys[0]  # tenants never share a key
+    # load the home member past ⌈1.25 × average⌉ requests: the next one spills over
+    home.inflight_requests = 3
+    spilled, _ = router.pick(100, keys[0])
+    assert spilled is not home
+    home.inflight_requests = 1  # with another member busy too: ⌈1.25 × 4 / 3⌉ = 2, fits
+    next(m for m in members if m is not home).inflight_requests = 2
+    assert router.pick(100, keys[0])[0] is home
+    assert router.prefix_key("alpha", "x") is not None
+    least = Router(entry.model_copy(update={"routing": "least_load"}), members)
+    assert least.prefix_key("alpha", "x") is None

@@ -213,7 +213,7 @@ def _leaks(gw: ThreadedGateway, replicas: list[Replica], idle_tasks: int,
             out.append(f"queue {name}: {len(q.held)} slots, {q.size} waiting")
     for up in g.upstreams.values():
         for m in up.members:
-            if m.pool.active or m.inflight_tokens or m.breaker.probes:
+            if m.pool.active or m.inflight_tokens or m.inflight_requests or m.breaker.probes:
                 out.append(f"{m.url}: {m.pool.active} connections lent, {m.inflight_tokens} "
                            f"tokens, {m.breaker.probes} probes")
     n = tasks(gw)
