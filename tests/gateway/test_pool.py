@@ -195,7 +195,7 @@ def test_prefix_routing_is_sticky_within_its_load_bound() -> None:
            for i in range(6)]
     keys = [router.prefix_key("alpha", msgs) for msgs in ([m] for m in faq)]
     assert len(set(keys)) == 1  # the shared start is what is hashed
-    home, grant = router.pick(100, keys[0])
+    home, _ = router.pick(100, keys[0])
     assert all(router.pick(100, k)[0] is home for k in keys)  # nothing in flight: sticky
     other = router.prefix_key("beta", [faq[0]])
     assert other != keys[0]  # tenants never share a key
