@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import subprocess
@@ -23,10 +24,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gateway.tenants import hash_key
 from loadtest.client import calibrate
 from loadtest.command import write_measurement
 from loadtest.run import Measurement, measure_workload
+from loadtest.small_model import write_small_model
 from loadtest.sweep import find_capacity
 from loadtest.targets import Service, TargetError, free_port, wait_ready
 from loadtest.workload import Workload, load_workload
@@ -35,6 +36,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = REPO_ROOT / "configs" / "workloads" / "capacity.yaml"
 KEYS = {"SLUICE_CAP_KEY_ALPHA": "sk-cap-alpha", "SLUICE_CAP_KEY_BETA": "sk-cap-beta"}
 INTERACTIVE = "interactive"
+MODEL = "sluice-small"
+
+
+def hash_key(key: str) -> str:
+    """tenants.yaml's stored form of a key (as `sluice hash-key` prints it)."""
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
 
 
 def tenants_yaml() -> str:
@@ -54,12 +61,6 @@ tenants:
     priority: {{min: 5, max: 10, default: 8}}
     quotas: {quotas}
 """
-
-
-def short(w: Workload, duration_s: float) -> Workload:
-    """The same workload over a shorter window (sweep probes)."""
-    return w.model_copy(update={"duration_s": duration_s, "warmup_s": min(w.warmup_s, 3.0),
-                                "cooldown_s": min(w.cooldown_s, 2.0)})
 
 
 def verdicts(runs: dict[str, Measurement], slo_ttft: float | None) -> list[dict[str, Any]]:
@@ -98,9 +99,8 @@ def print_table(runs: dict[str, Measurement], capacity: float | None,
         print(f"  {c['target']:<58} {value:>8}  {'PASS' if c['pass'] else 'MISS'}")
 
 
-async def experiment(gw: str, backend: str, out: Path, probes: int, probe_s: float,
-                     ) -> dict[str, Any]:
-    w = load_workload(WORKLOAD)
+async def experiment(gw: str, backend: str, out: Path, probes: int) -> dict[str, Any]:
+    w = load_workload(WORKLOAD).model_copy(update={"model": MODEL})
     base = w.mean_rate()
     cal_gw = await calibrate(gw, None, w)
     cal_direct = await calibrate(backend, None, w)
@@ -109,7 +109,9 @@ async def experiment(gw: str, backend: str, out: Path, probes: int, probe_s: flo
         return await measure_workload(wl, gw, None, scrape=[backend], label=label,
                                       calibration=cal_gw)
 
-    capacity, _, curve = await find_capacity(short(w, probe_s), probe, probes)
+    # Probes run as long as the measured runs: overload builds up over time, and a shorter
+    # probe would call a rate sustainable that a longer run is not.
+    capacity, _, curve = await find_capacity(w, probe, probes)
     rate = capacity or base
     runs: dict[str, Measurement] = {}
     for name, url, cal, factor in (("gateway_1x", gw, cal_gw, 1.0),
@@ -131,16 +133,23 @@ async def experiment(gw: str, backend: str, out: Path, probes: int, probe_s: flo
     return summary
 
 
-def start_up(workdir: Path, tenants: Path) -> tuple[Service, str, str]:
-    """`sluice up` in its own process group on free ports: (service, gateway, backend)."""
+def start_up(workdir: Path, tenants: Path, model: Path) -> tuple[Service, str, str]:
+    """`sluice up` in its own process group on free ports: (service, gateway, backend).
+
+    The backend serves `small_model` (the tiny model is so cheap per step that the HTTP
+    layers, on the same two cores, would saturate first and the experiment would measure
+    them instead of admission in front of a model at its limit), with one torch thread so
+    that the gateway and this client keep a core."""
     port, backend_port = free_port(), free_port()
     log = workdir / "up.log"
     with log.open("wb") as sink:
         proc = subprocess.Popen(
             [sys.executable, "-m", "sluice.cli", "up", "--port", str(port), "--backend-port",
-             str(backend_port), "--tenants", str(tenants), "--log-level", "warning"],
+             str(backend_port), "--tenants", str(tenants), "--log-level", "warning",
+             "--model", str(model), "--served-model-name", MODEL],
             cwd=REPO_ROOT, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+            start_new_session=True,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"})
     service = Service("sluice-up", proc, port, log)
     try:
         wait_ready(service, "/healthz", 180)
@@ -154,9 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest.capacity", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="capacity-report", help="directory for the reports")
-    ap.add_argument("--probes", type=int, default=5, help="sweep runs (default 5)")
-    ap.add_argument("--probe-seconds", type=float, default=20.0,
-                    help="length of each sweep run (default 20)")
+    ap.add_argument("--probes", type=int, default=4, help="sweep runs (default 4)")
     args = ap.parse_args(argv)
     os.environ.update(KEYS)
     out = Path(args.out)
@@ -165,13 +172,14 @@ def main(argv: list[str] | None = None) -> int:
         tenants = Path(tmp) / "tenants.yaml"
         tenants.write_text(tenants_yaml())
         try:
-            up, gw, backend = start_up(Path(tmp), tenants)
+            model = write_small_model(Path(tmp) / "small-model")
+            up, gw, backend = start_up(Path(tmp), tenants, model)
         except TargetError as exc:
             print(f"capacity: sluice up did not start: {exc}", file=sys.stderr)
             return 1
         try:
             print(f"sluice up: gateway {gw}, backend {backend}", flush=True)
-            asyncio.run(experiment(gw, backend, out, args.probes, args.probe_seconds))
+            asyncio.run(experiment(gw, backend, out, args.probes))
         except KeyboardInterrupt:
             print("capacity: interrupted", file=sys.stderr)
             return 130

@@ -115,7 +115,7 @@ def timeline(details: dict[str, Any], out: Path) -> Path:
 
 
 def outcomes(class_outcomes: dict[str, dict[str, int]], out: Path) -> Path:
-    fig, ax = plt.subplots(figsize=(7, 0.6 * len(class_outcomes) + 1.8))
+    fig, ax = plt.subplots(figsize=(7, 0.6 * len(class_outcomes) + 2.6))
     names = list(class_outcomes)
     left = [0] * len(names)
     for o in OUTCOMES:

@@ -43,7 +43,7 @@ def _progress(total: int, label: str) -> tuple[Any, Any]:
         if rec.cancelled:
             tally["cancelled"] += 1
         elif rec.status == 200 and rec.finished:
-            tally["ok"] += 1
+            tally["done"] += 1
         elif rec.status in (429, 503):
             tally[str(rec.status)] += 1
         else:
