@@ -37,6 +37,7 @@ WORKLOAD = REPO_ROOT / "configs" / "workloads" / "capacity.yaml"
 KEYS = {"SLUICE_CAP_KEY_ALPHA": "sk-cap-alpha", "SLUICE_CAP_KEY_BETA": "sk-cap-beta"}
 INTERACTIVE = "interactive"
 MODEL = "sluice-small"
+WARMUP_S = 15.0
 
 
 def hash_key(key: str) -> str:
@@ -109,6 +110,10 @@ async def experiment(gw: str, backend: str, out: Path, probes: int) -> dict[str,
         return await measure_workload(wl, gw, None, scrape=[backend], label=label,
                                       calibration=cal_gw)
 
+    # A first, discarded run at the configured rate: the first minutes of a fresh backend
+    # (allocator, first long prompts) are slower, and would fail the first probe.
+    warm = w.model_copy(update={"duration_s": WARMUP_S, "warmup_s": 0.0, "cooldown_s": 0.0})
+    await measure_workload(warm, gw, None, label="warm-up (discarded)", calibration=cal_gw)
     # Probes run as long as the measured runs: overload builds up over time, and a shorter
     # probe would call a rate sustainable that a longer run is not.
     capacity, _, curve = await find_capacity(w, probe, probes)

@@ -51,6 +51,7 @@ class Record:
     cancelled: str = ""  # CANCEL_PATIENCE / CANCEL_TOKENS when the client abandoned it
     timed_out: bool = False
     error: str = ""
+    error_status: int = 0  # the HTTP status an in-stream error event carried (504: deadline)
     finished: bool = False  # the stream ended with [DONE] (or a whole JSON body)
 
 
@@ -107,6 +108,8 @@ def _apply_event(rec: Record, payload: bytes, now: float) -> None:
     if "error" in obj:
         err = obj["error"] if isinstance(obj["error"], dict) else {}
         rec.error = rec.error or f"in-stream error: {err.get('message', obj['error'])}"
+        if isinstance(err.get("status"), int):
+            rec.error_status = err["status"]
         return
     usage = obj.get("usage") or None
     choices = obj.get("choices") or []

@@ -7,6 +7,7 @@ the outcome breakdown per class. Each function writes one file and returns its p
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,10 @@ COLORS = {"success": "#2ca02c", "slo_miss": "#bcbd22", "rejected_429": "#ff7f0e"
 
 
 def _save(fig: Any, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    with warnings.catch_warnings():  # a crowded legend only loses some margin
+        warnings.simplefilter("ignore", UserWarning)
+        fig.tight_layout()
+    fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)
     return path
 

@@ -87,8 +87,8 @@ def classify(rec: Record, m_ttft: float | None, m_tpot: float | None, m_e2e: flo
         return "rejected_429", {}
     if rec.status == 503:
         return "rejected_503", {}
-    if rec.timed_out or rec.status in (408, 504):
-        return "timeout", {}
+    if rec.timed_out or rec.status in (408, 504) or rec.error_status in (408, 504):
+        return "timeout", {}  # incl. a gateway that cut the stream at the deadline
     if rec.status != 200 or rec.error or not rec.finished:
         return "error", {}
     ok: dict[str, bool] = {}

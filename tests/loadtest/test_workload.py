@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
-from loadtest.arrivals import arrival_times, schedule
-from loadtest.stats import itl_values, spread
-from loadtest.workload import WorkloadError, load_workload, parse_workload
+from loadtest.arrivals import Planned, arrival_times, schedule
+from loadtest.client import Record
+from loadtest.stats import itl_values, measure, spread
+from loadtest.workload import Slo, WorkloadError, load_workload, parse_workload
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO_ROOT / "configs" / "workloads").glob("*.yaml"))
@@ -143,3 +144,40 @@ def test_tokens_spread_over_chunks_and_itl() -> None:
     assert itl_values([(1.0, 1), (1.03, 3)]) == pytest.approx([0.01] * 3)
     # two tokens in the first chunk: the second one came with the first (gap 0)
     assert itl_values([(1.0, 2), (1.02, 1)]) == pytest.approx([0.0, 0.02])
+
+
+def _record(**kw: Any) -> Record:
+    plan = Planned(idx=0, t=0.0, cls="a", input_tokens=1, output_tokens=3, tenant="t",
+                   priority=None, patience_s=None, cancel_after=None, measured=True)
+    rec = Record(plan=plan, sent=1.0, done=1.5, status=200, finished=True,
+                 events=[(1.1, 1), (1.2, 2)], chars=[1, 2], completion_tokens=3)
+    for k, v in kw.items():
+        setattr(rec, k, v)
+    return rec
+
+
+@pytest.mark.parametrize(("changes", "outcome"), [
+    ({}, "success"),
+    ({"status": 429, "events": [], "chars": []}, "rejected_429"),
+    ({"status": 503, "events": [], "chars": []}, "rejected_503"),
+    ({"status": 504, "events": [], "chars": []}, "timeout"),
+    # the gateway cut the stream at the deadline: an error event with status 504
+    ({"error": "in-stream error: deadline", "error_status": 504}, "timeout"),
+    ({"error": "in-stream error: upstream died", "error_status": 502}, "error"),
+    ({"finished": False}, "error"),
+    ({"timed_out": True, "finished": False}, "timeout"),
+    ({"cancelled": "patience", "events": [], "chars": []}, "cancelled"),
+    ({"done": 3.0}, "slo_miss"),  # E2E 2000 ms > 1000
+])
+def test_every_request_gets_one_outcome(changes: dict[str, Any], outcome: str) -> None:
+    m = measure(_record(**changes), Slo(ttft_ms=500, e2e_ms=1000))
+    assert m.outcome == outcome
+    if outcome == "success":
+        assert m.ttft_ms == pytest.approx(100) and m.tpot_ms == pytest.approx(50)
+        assert m.itl_ms == pytest.approx((50.0, 50.0)) and m.e2e_ms == pytest.approx(500)
+
+
+def test_tokens_estimated_without_running_usage() -> None:
+    m = measure(_record(events=[(1.1, -1), (1.2, -1)], chars=[1, 8], completion_tokens=5),
+                Slo())
+    assert m.tokens_estimated and m.output_tokens == 5 and len(m.itl_ms) == 4
