@@ -49,15 +49,37 @@ DRAIN_RETRY_AFTER_S = 1.0
 
 
 def bounded_send(send: Any, stall_s: float) -> Any:
-    """``send``, raising ``ClientStalled`` when the client takes nothing for ``stall_s``."""
+    """``send``, raising ``ClientStalled`` when the client takes nothing for ``stall_s``.
+
+    A timer per message costs ~6 µs (``asyncio.timeout`` arms and cancels a loop timer), and
+    a streamed request sends once per batch of events the upstream delivers: up to one per
+    token. Under uvicorn, ``send`` can only wait in one place: its
+    flow control, while the transport's writing is paused (the client's socket buffer is
+    full). So when uvicorn's ``flow.write_paused`` is false the message goes out without a
+    timer, since it cannot wait; the timer is armed only when it can. Under another server
+    (no such flag), every message gets the timer.
+    """
+    flow = getattr(getattr(send, "__self__", None), "flow", None)
+    stalled = f"the client read nothing for {stall_s} s"
+
     async def send_bounded(message: dict[str, Any]) -> None:
         try:
             async with asyncio.timeout(stall_s):
                 await send(message)
         except TimeoutError:
-            raise ClientStalled(f"the client read nothing for {stall_s} s") from None
+            raise ClientStalled(stalled) from None
 
-    return send_bounded
+    if flow is None or not isinstance(getattr(flow, "write_paused", None), bool):
+        return send_bounded
+
+    async def send_unless_paused(message: dict[str, Any]) -> None:
+        if not flow.write_paused:
+            await send(message)  # uvicorn's send does not wait unless writing is paused
+            return
+        await send_bounded(message)
+
+    send_unless_paused.watches_flow = True  # type: ignore[attr-defined]  # tests look
+    return send_unless_paused
 
 
 class ProxyEndpoint:
