@@ -46,6 +46,9 @@ def _add_server_flags(p: argparse.ArgumentParser, *, model_default: str | None) 
                    help="largest request body accepted (default 4 MiB; larger gets 413)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, how long in-flight requests may finish before abort")
+    p.add_argument("--drain-grace", type=float, default=0.0, metavar="SECONDS",
+                   help="after SIGTERM, keep accepting this long, answering 503 with "
+                        "Retry-After, before closing the listener (default 0)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every request")
@@ -63,6 +66,10 @@ def _backend(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.drain_grace < 0 or args.shutdown_timeout < 0:
+        print("sluice backend: --drain-grace and --shutdown-timeout must be >= 0",
+              file=sys.stderr)
+        return 2
     try:  # before the model loads: a bad OTEL_* setting fails fast
         telemetry = Telemetry.create("sluice-backend", scope="sluice.backend")
     except TelemetryError as exc:
@@ -83,6 +90,7 @@ def _backend(args: argparse.Namespace) -> int:
         return 2
     settings = ServerSettings(host=args.host, port=args.port, max_body_bytes=args.max_body_bytes,
                               shutdown_timeout_s=args.shutdown_timeout,
+                              drain_grace_s=args.drain_grace,
                               log_level=args.log_level, access_log=args.access_log)
     assert engine.parts is not None
     model = engine.parts.model_name

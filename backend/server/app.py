@@ -43,6 +43,7 @@ from .service import ModelService
 log = logging.getLogger("sluice.backend")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DRAIN_RETRY_AFTER_S = 1.0  # a draining server's 503: another replica can take it now
 
 
 @dataclass(slots=True, frozen=True)
@@ -51,6 +52,7 @@ class ServerSettings:
     port: int = 8001
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_timeout_s: float = 30.0  # in-flight requests get this long after SIGTERM
+    drain_grace_s: float = 0.0  # after SIGTERM, refuse with 503 this long before closing
     log_level: str = "info"
     access_log: bool = False
 
@@ -59,7 +61,8 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 
 def error_response(err: ApiError) -> Response:
-    return Response(err.json_bytes(), status_code=err.status, media_type="application/json")
+    return Response(err.json_bytes(), status_code=err.status, media_type="application/json",
+                    headers=err.headers())
 
 
 def api(handler: Handler) -> Handler:
@@ -111,7 +114,8 @@ def _generation_route(kind: str) -> Handler:
         rec = service.begin(request.scope, kind)
         try:
             if getattr(request.app.state, "draining", False):
-                raise Unavailable("the server is shutting down")
+                raise Unavailable("the server is shutting down", code="draining",
+                                  retry_after_s=DRAIN_RETRY_AFTER_S)
             body = await read_json(request, request.app.state.settings.max_body_bytes)
             model = body.get("model")
             rec.requested_model = model if isinstance(model, str) else None

@@ -16,6 +16,7 @@ Engine exceptions are translated at the boundary by ``from_engine_error``.
 from __future__ import annotations
 
 import json
+import math
 
 from backend.engine.errors import (
     EngineDeadError,
@@ -31,12 +32,21 @@ class ApiError(Exception):
     type = "server_error"
     code: str | None = None
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None,
+                 retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         if code is not None:
             self.code = code
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        """``retry-after`` (whole seconds, rounded up) and ``retry-after-ms``, when known."""
+        if self.retry_after_s is None:
+            return {}
+        return {"retry-after": str(max(1, math.ceil(self.retry_after_s))),
+                "retry-after-ms": str(max(1, round(self.retry_after_s * 1000)))}
 
     def body(self) -> dict[str, object]:
         return {"error": {"message": self.message, "type": self.type, "code": self.code,

@@ -1,14 +1,17 @@
 """Run the server under uvicorn with a graceful SIGTERM.
 
-On SIGTERM/SIGINT uvicorn stops accepting, waits up to ``shutdown_timeout_s`` for in-flight
-requests, then cancels the rest (each cancellation aborts its engine request); the lifespan
-then shuts the engine down. Meanwhile ``/health`` answers 503 "draining" and new
-generation requests on open connections get 503.
+On SIGTERM/SIGINT ``/health`` answers 503 "draining" and new generation requests get 503
+(``code: draining``, Retry-After) at once. For ``drain_grace_s`` (default 0) the listener
+stays open, so that a load balancer or a gateway sees the 503s and stops sending; then
+uvicorn stops accepting, waits up to ``shutdown_timeout_s`` for in-flight requests, and
+cancels the rest (each cancellation aborts its engine request); the lifespan then shuts the
+engine down. A second signal skips what is left of the grace.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -32,7 +35,16 @@ class _Server(uvicorn.Server):
         self._on_ready = on_ready
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        first = not self._app.state.draining
         self._app.state.draining = True
+        grace = self._app.state.settings.drain_grace_s
+        if first and grace > 0:
+            # keep accepting for the grace period, answering 503 + Retry-After, so that a
+            # load balancer or the gateway's health checks route around us first
+            timer = threading.Timer(grace, super().handle_exit, (sig, frame))
+            timer.daemon = True
+            timer.start()
+            return
         super().handle_exit(sig, frame)
 
     async def startup(self, sockets: Any = None) -> None:
