@@ -4,8 +4,8 @@ Capacity is not the rate where throughput peaks: it is the highest rate whose re
 still meet their SLOs often enough (``slo_attainment_goal``, 0.9 by default). The sweep
 scales the workload's rate (same mix, same seed) and searches: double or halve from the
 configured rate until the goal is bracketed, then bisect to within BRACKET. A probe the
-client itself could not keep up with (unreliable) counts as a failure: its numbers would
-describe the client, not the target.
+client itself could not keep up with (unreliable) is run once more, and counts as a
+failure if it is unreliable again: its numbers would describe the client, not the target.
 """
 
 from __future__ import annotations
@@ -42,8 +42,10 @@ async def find_capacity(w: Workload, probe: Probe, max_probes: int = MAX_PROBES,
     runs: dict[float, Measurement] = {}
 
     async def at(rate: float) -> bool:
-        m = await probe(w.scaled(rate / base), f"sweep {len(runs) + 1}/{max_probes} "
-                                                f"@ {rate:.3g} rps")
+        label = f"sweep {len(runs) + 1}/{max_probes} @ {rate:.3g} rps"
+        m = await probe(w.scaled(rate / base), label)
+        if m.report["unreliable"]:  # the client (or a busy machine) had a bad moment: once more
+            m = await probe(w.scaled(rate / base), label + " (again: unreliable)")
         runs[rate] = m
         return passes(m, goal)
 
