@@ -63,7 +63,7 @@ class Target:
     continuous_usage: bool = True
 
 
-def _endpoint(w: Workload) -> str:
+def endpoint(w: Workload) -> str:
     return "/v1/chat/completions" if w.api == "chat" else "/v1/completions"
 
 
@@ -237,7 +237,7 @@ async def calibrate(base_url: str, key: str | None, w: Workload,
     A target that refuses ``continuous_usage_stats`` (400) is probed again without it.
     The probes use ``key``, or else the first class's key.
     """
-    url = base_url + _endpoint(w)
+    url = base_url + endpoint(w)
     key = key or next((k for c in w.classes if (k := c.api_key(None))), None)
     async with httpx.AsyncClient(timeout=60.0) as client:
         continuous = True

@@ -7,8 +7,8 @@ costs on that target: two probe requests (``max_tokens: 1``) of K1 and K2 words,
 That works against Sluice, vLLM or OpenAI alike. Every request records the prompt tokens
 the server actually counted, so any residual error shows in the report instead of hiding.
 
-Each prompt is a different seeded shuffle of the words, so requests share no accidental
-prefix (which a prefix cache would reward); a class with a ``prefix_group`` starts with
+Each prompt is a different seeded draw of the words (salted per run), so requests share
+no accidental prefix, within a run or across runs (which a prefix cache would reward); a class with a ``prefix_group`` starts with
 that group's fixed text instead, exactly as shared system prompts do.
 """
 
@@ -54,12 +54,18 @@ def words(seed: int, n: int) -> str:
 
 
 class PromptBook:
-    """The prompt text of each request, fixed by the run's seed and the request's index."""
+    """The prompt text of each request, fixed by the seed, a per-run salt and the index.
+
+    The salt matters: runs against the same target (a sweep, 1x then 2x) would otherwise
+    send the same prompts again, and the target's prefix cache would serve the later runs
+    cheaper than new traffic. Shared prefixes stay the same across runs, as a system
+    prompt does."""
 
     def __init__(self, calibration: Calibration, seed: int,
-                 prefixes: dict[str, int]) -> None:
+                 prefixes: dict[str, int], salt: int = 0) -> None:
         self.cal = calibration
         self.seed = seed
+        self.salt = salt
         self._prefix_text = {name: words(hash_name(name, seed),
                                          calibration.words_for(tokens, with_overhead=False))
                              for name, tokens in prefixes.items()}
@@ -72,7 +78,7 @@ class PromptBook:
             head = self._prefix_text[prefix_group] + "\n"
             body_tokens -= self._prefix_tokens[prefix_group]
         n = self.cal.words_for(body_tokens)
-        return head + words(self.seed * 1_000_003 + idx, n)
+        return head + words(hash_name(f"{self.salt}:{idx}", self.seed), n)
 
 
 def hash_name(name: str, seed: int) -> int:

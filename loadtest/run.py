@@ -8,6 +8,7 @@ sweep and `make capacity` all go through `measure_workload`.
 from __future__ import annotations
 
 import collections
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,12 +58,16 @@ async def measure_workload(w: Workload, base_url: str, key: str | None, *,
                            timeout_s: float = 60.0, scrape: list[str] | None = None,
                            progress: bool = True, label: str = "",
                            calibration: tuple[Calibration, bool] | None = None,
-                           capacity_rps: float | None = None) -> Measurement:
+                           capacity_rps: float | None = None,
+                           prompt_salt: int | None = None) -> Measurement:
+    """Run ``w`` once against ``base_url``. Prompts are new for every run (a random salt)
+    unless ``prompt_salt`` pins them."""
     base_url = base_url.rstrip("/").removesuffix("/v1")
     cal, continuous = calibration or await calibrate(base_url, key, w)
     target = Target(base_url, key, timeout_s, continuous)
     plan = schedule(w)
-    prompts = PromptBook(cal, w.seed, {g.name: g.tokens for g in w.prefix_groups})
+    salt = secrets.randbits(48) if prompt_salt is None else prompt_salt
+    prompts = PromptBook(cal, w.seed, {g.name: g.tokens for g in w.prefix_groups}, salt)
     keys = {c.name: c.api_key(key) for c in w.classes}
     urls = [base_url] + [u for u in scrape or [] if u.rstrip("/") != base_url]
     if progress:
@@ -76,4 +81,5 @@ async def measure_workload(w: Workload, base_url: str, key: str | None, *,
                               "overhead_tokens": round(cal.overhead, 2),
                               "continuous_usage": continuous}
     details["target"] = base_url
+    details["prompt_salt"] = salt
     return Measurement(report, details, ms, result, cal)

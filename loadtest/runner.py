@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from loadtest.arrivals import Planned
-from loadtest.client import Record, Target, _endpoint, request_body, send_one
+from loadtest.client import Record, Target, endpoint, request_body, send_one
 from loadtest.prompts import PromptBook
 from loadtest.scrape import Sample, Scraper
 from loadtest.workload import Workload
@@ -56,7 +56,7 @@ async def run_schedule(w: Workload, plan: list[Planned], target: Target, prompts
                        keys: dict[str, str | None], scrape_urls: list[str] | None = None,
                        on_done: Callable[[Record], None] | None = None) -> RunResult:
     """Send every planned request at its time; wait for them all (each is bounded)."""
-    url = target.base_url + _endpoint(w)
+    url = target.base_url + endpoint(w)
     size = pool_size(w, target.timeout_s)
     limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
     # Encoded before the clock starts: the client's work must not delay the schedule.
