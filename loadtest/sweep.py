@@ -65,7 +65,7 @@ async def find_capacity(w: Workload, probe: Probe, max_probes: int = MAX_PROBES,
             lo = mid
         else:
             hi = mid
-    curve = [point(runs[r]) for r in sorted(runs)]
+    curve = [{"rate": round(r, 4), **point(runs[r])} for r in sorted(runs)]
     if lo is None:
         return None, runs[min(runs)], curve
     return runs[lo].report["offered_rps"], runs[lo], curve
