@@ -69,7 +69,8 @@ def goodput_curve(points: list[dict[str, Any]], capacity: float | None, goal: fl
     ax2.set_ylabel("joint SLO attainment")
     if capacity:
         ax.axvline(capacity, color="k", lw=0.8)
-        ax.text(capacity, 0, f" capacity {capacity:.3g}", va="bottom")
+        ax.text(capacity, 0.02, f" capacity {capacity:.3g}", va="bottom",
+                transform=ax.get_xaxis_transform())
     ax.legend(loc="upper left", fontsize=8)
     ax2.legend(loc="lower right", fontsize=8)
     ax.grid(alpha=0.3)
