@@ -219,14 +219,39 @@ def _curl_line(url: str, model: str, key: str) -> str:
             f"-H 'content-type: application/json' -d '{body}'")
 
 
+def up_config(args: argparse.Namespace, entry: Any) -> Any:
+    """`sluice up`'s gateway settings: its flags, over the SLUICE_* overrides that apply as
+    for `sluice gateway` (e.g. SLUICE_QUEUE__RESERVE_SHARE=0.25)."""
+    from pydantic import ValidationError
+
+    from .config import GatewayConfig, apply_env
+    from .errors import ConfigError
+
+    raw = apply_env({}, os.environ)
+    raw.update(listen={**raw.get("listen", {}), "host": args.host, "port": args.port},
+               store={**raw.get("store", {}), "url": args.redis or None},
+               models=[entry], tenants_file=Path(args.tenants or "-"))
+    try:
+        return GatewayConfig.model_validate(raw)
+    except ValidationError as exc:
+        fields = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
+                           for e in exc.errors())
+        raise ConfigError(f"bad SLUICE_* setting: {fields}") from None
+
+
 def _up(args: argparse.Namespace) -> int:
     from .app import create_app
-    from .config import GatewayConfig, Listen, ModelEntry, StoreConfig, load_tenants
+    from .config import ModelEntry, load_tenants
     from .errors import ConfigError
 
     _logging(args.log_level)
     try:
         tenants = load_tenants(args.tenants) if args.tenants else demo_tenants()
+    except ConfigError as exc:
+        print(f"sluice up: {exc}", file=sys.stderr)
+        return 2
+    try:  # a bad SLUICE_* override fails before the backend starts
+        up_config(args, ModelEntry(name="check", upstream="http://127.0.0.1:1"))
     except ConfigError as exc:
         print(f"sluice up: {exc}", file=sys.stderr)
         return 2
@@ -253,9 +278,7 @@ def _up(args: argparse.Namespace) -> int:
             tokenizer = "local:tiny" if args.model == "tiny" else f"local:{args.model}"
             entry = ModelEntry(name=name, upstream=backend_url, kind="sluice",
                                tokenizer=tokenizer)
-        store = StoreConfig(url=args.redis or None)
-        config = GatewayConfig(listen=Listen(host=args.host, port=args.port), store=store,
-                               models=[entry], tenants_file=Path(args.tenants or "-"))
+        config = up_config(args, entry)
         app = create_app(config, tenants)
     except (RuntimeError, ValueError, ConfigError) as exc:
         print(f"sluice up: cannot start: {exc}", file=sys.stderr)

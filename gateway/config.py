@@ -231,6 +231,10 @@ class AdminConfig(_Strict):
 class QueueConfig(_Strict):
     max_len: int = Field(1024, ge=0)  # waiting requests per upstream; more get 503
     aging_s: float = Field(5.0, gt=0)  # a waiting request's class improves by 1 every aging_s
+    # Share of each upstream's sequences and KV tokens that only requests with priority <=
+    # reserve_priority may use (gateway/queue.py); 0 turns the reserve off.
+    reserve_share: float = Field(0.0, ge=0, lt=1)
+    reserve_priority: int = 0
 
 
 class BreakerConfig(_Strict):

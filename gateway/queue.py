@@ -21,6 +21,16 @@ urgent, plus its own) ÷ drain rate``, the drain rate being the worst-case token
 released per second over the last ``DRAIN_WINDOW_S`` (or since the first slot, if sooner).
 Before any slot was released there is no rate, and no request is shed by prediction. Retry-After is that predicted wait.
 
+Reserve for urgent work (``queue.reserve_share``, off by default). A request with a priority
+above ``queue.reserve_priority`` (batch) starts only while the upstream's in-flight
+sequences and worst-case tokens, its own included, stay within ``1 - reserve_share`` of the
+capacity; urgent requests may use all of it. Without a reserve, long batch generations can
+hold every slot, and an interactive request waits for one of them to finish however urgent
+it is. The check is on the upstream's total (one atomic gate call, shared by replicas), so
+while urgent work alone fills more than the batch share, batch waits: strict priority, as
+in the queue's order; aging moves a batch request ahead of other batch, never into the
+reserve.
+
 A client that leaves while waiting is removed at once (its task is cancelled); one that
 leaves just as it was granted a slot gives the slot back.
 """
@@ -80,6 +90,7 @@ UNGATED: CapacityGate = MemoryGate()  # marks slots of an upstream without capac
 class DispatchQueue:
     def __init__(self, upstream: str, gate: CapacityGate, limits: Limits, *,
                  max_len: int, aging_s: float, slot_ttl_s: float, replicas: int = 1,
+                 reserve_share: float = 0.0, reserve_priority: int = 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.upstream = upstream
         self.gate = gate
@@ -89,6 +100,8 @@ class DispatchQueue:
         self.limits = limits
         self.max_len = max_len
         self.aging_s = aging_s
+        self.reserve_share = reserve_share
+        self.reserve_priority = reserve_priority
         self.slot_ttl_s = slot_ttl_s
         self.clock = clock
         self.waiting: dict[tuple[str, int], collections.deque[Waiter]] = {}
@@ -110,7 +123,7 @@ class DispatchQueue:
                       fail_open: bool = False) -> float:
         """Wait for a slot; returns the seconds waited. Raises 503/429/504 GatewayErrors."""
         start = self.clock()
-        if self.size == 0 and await self._try(request_id, tokens, fail_open):
+        if self.size == 0 and await self._try(request_id, tokens, fail_open, priority):
             return 0.0
         wait = self.predicted_wait(priority, tokens)
         retry = DEFAULT_RETRY_S if wait is None else max(wait, 0.001)
@@ -145,13 +158,13 @@ class DispatchQueue:
             self._remove(w)
         return self.clock() - start
 
-    def try_early(self, request_id: str, tokens: int,
-                  fail_open: bool) -> asyncio.Task[bool] | None:
+    def try_early(self, request_id: str, tokens: int, fail_open: bool,
+                  priority: int) -> asyncio.Task[bool] | None:
         """With nobody waiting, start asking the gate for a slot now (before the quota
         reservation is known); None when requests wait (they go first)."""
         if self.size:
             return None
-        return asyncio.ensure_future(self._try(request_id, tokens, fail_open))
+        return asyncio.ensure_future(self._try(request_id, tokens, fail_open, priority))
 
     async def took_early(self, early: asyncio.Task[bool]) -> bool:
         """Whether the early attempt got the slot (False: queue as usual)."""
@@ -222,8 +235,15 @@ class DispatchQueue:
             await asyncio.wait(self._releasing, timeout=5.0)
 
     # ---- internals ------------------------------------------------------------------------
-    async def _try(self, request_id: str, tokens: int, fail_open: bool) -> bool:
+    def urgent(self, priority: int) -> bool:
+        """Whether a request of this priority may use the reserve."""
+        return priority <= self.reserve_priority
+
+    async def _try(self, request_id: str, tokens: int, fail_open: bool, priority: int) -> bool:
         cap_tokens, cap_seqs = self.limits()
+        if self.reserve_share and not self.urgent(priority):
+            cap_tokens, cap_seqs = (_less(cap_tokens, self.reserve_share),
+                                    _less(cap_seqs, self.reserve_share))
         if cap_tokens is None and cap_seqs is None:
             # An upstream of unknown capacity has no gate: no store round trip to make.
             self.held[request_id] = UNGATED
@@ -312,13 +332,13 @@ class DispatchQueue:
         if not q:
             del self.waiting[(w.tenant, w.priority)]
 
-    def _pick(self) -> Waiter | None:
+    def _pick(self, urgent_only: bool = False) -> Waiter | None:
         now = self.clock()
         best: tuple[int, float, float] | None = None
         chosen: Waiter | None = None
         for q in self.waiting.values():
             head = q[0]
-            if head.future.done():
+            if head.future.done() or (urgent_only and not self.urgent(head.priority)):
                 continue
             key = (self._class(head, now), self.vtime.get(head.tenant, 0.0), head.arrival)
             if best is None or key < best:
@@ -334,7 +354,15 @@ class DispatchQueue:
                 await asyncio.sleep(POLL_S)
                 continue
             try:
-                granted = await self._try(w.request_id, w.tokens, w.fail_open)
+                granted = await self._try(w.request_id, w.tokens, w.fail_open, w.priority)
+                if not granted and self.reserve_share and not self.urgent(w.priority):
+                    # the batch request at the head is held to its share; an urgent one
+                    # behind it may still fit in the reserve
+                    u = self._pick(urgent_only=True)
+                    if u is not None:
+                        w = u
+                        granted = await self._try(w.request_id, w.tokens, w.fail_open,
+                                                  w.priority)
             except GatewayError as err:
                 if not w.future.done():
                     w.future.set_exception(err)
@@ -354,6 +382,11 @@ class DispatchQueue:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(POLL_S):
                     await self._wake.wait()
+
+
+def _less(cap: int | None, reserve_share: float) -> int | None:
+    """What is left of a capacity for batch work once the reserve is set aside."""
+    return None if cap is None else max(1, math.floor(cap * (1 - reserve_share)))
 
 
 def _share(cap: int | None, replicas: int) -> int | None:

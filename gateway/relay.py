@@ -130,7 +130,7 @@ class Exchange:
         fail_open = self.tenant.fail_mode == "open"
         # With nobody waiting, ask the capacity gate for a slot while the quota store
         # reserves: one round trip before dispatch instead of two. Given back if refused.
-        early = queue.try_early(self.attempt_id, self.p.worst_case, fail_open)
+        early = queue.try_early(self.attempt_id, self.p.worst_case, fail_open, self.p.priority)
         span = trace.start(RESERVE, {"sluice.reserved_tokens": self.p.worst_case})
         try:
             self.ticket = await self._reserve(self.p)

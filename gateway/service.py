@@ -92,6 +92,8 @@ class Gateway:
             for member in up.members:  # the capacity gate applies to each server of a pool
                 q = DispatchQueue(member.key, self.admission.gate, member.limits,
                                   max_len=config.queue.max_len, aging_s=config.queue.aging_s,
+                                  reserve_share=config.queue.reserve_share,
+                                  reserve_priority=config.queue.reserve_priority,
                                   slot_ttl_s=config.admission.lease_ttl_s,
                                   replicas=config.store.replicas)
                 self.queues[member.key] = q

@@ -30,3 +30,23 @@ def test_unknown_command_fails_with_usage() -> None:
 def test_backend_refuses_a_bad_thread_count(capsys) -> None:
     assert main(["backend", "--model", "tiny", "--threads", "0"]) == 2
     assert "num_threads must be >= 1" in capsys.readouterr().err
+
+
+def test_up_applies_sluice_overrides_and_refuses_a_bad_one(monkeypatch) -> None:
+    import argparse
+
+    from gateway.cli import up_config
+    from gateway.config import ModelEntry
+
+    args = argparse.Namespace(host="127.0.0.1", port=8000, redis=None, tenants=None)
+    entry = ModelEntry(name="m", upstream="http://127.0.0.1:8001")
+    monkeypatch.setenv("SLUICE_QUEUE__RESERVE_SHARE", "0.25")
+    monkeypatch.setenv("SLUICE_LISTEN__PORT", "9999")  # the flag names the port: it wins
+    cfg = up_config(args, entry)
+    assert cfg.queue.reserve_share == 0.25 and cfg.listen.port == 8000
+    monkeypatch.setenv("SLUICE_QUEUE__RESERVE_SHARE", "2")
+    proc = subprocess.run([sys.executable, "-m", "sluice.cli", "up", "--port", "1"],
+                          check=False, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "queue.reserve_share" in proc.stderr
+    assert "starting the bundled backend" not in proc.stdout  # refused before starting it

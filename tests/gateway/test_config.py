@@ -53,6 +53,8 @@ def write(tmp_path: Path, name: str, text: str) -> Path:
     ("models: [{name: a, upstream: 'http://x', tokenizer: magic}]", "tokenizer"),
     ("models: [{name: a, upstream: 'http://x'}]\nlisten: {port: 99999}", "listen.port"),
     ("models: [{name: a, upstream: 'http://x'}]\nunknown_key: 1", "unknown_key"),
+    ("models: [{name: a, upstream: 'http://x'}]\nqueue: {reserve_share: 1}",
+     "queue.reserve_share"),
     ("- just a list", "mapping"),
     ("models: [", "not valid YAML"),
 ])
@@ -96,3 +98,16 @@ def test_hash_key_command() -> None:
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.stdout.strip() == ("sha256:577fa7d4312b173a1af7c3f154de007bfecfde4e48ac3f92d8"
                                    "ccbeb57feacd71")
+
+
+def test_the_queue_reserve_reaches_every_upstreams_queue(tmp_path: Path) -> None:
+    from gateway.service import Gateway
+
+    path = write(tmp_path, "g.yaml", "models: [{name: a, upstreams: ['http://127.0.0.1:1', "
+                 "'http://127.0.0.1:2']}]\nqueue: {reserve_share: 0.25, reserve_priority: 2}")
+    cfg = load_gateway_config(path, env={})
+    gw = Gateway(cfg, demo_tenants())
+    assert len(gw.queues) == 2
+    for q in gw.queues.values():
+        assert (q.reserve_share, q.reserve_priority) == (0.25, 2)
+        assert q.urgent(2) and not q.urgent(3)

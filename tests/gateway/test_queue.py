@@ -185,13 +185,13 @@ async def test_an_upstream_without_limits_has_no_gate_round_trip() -> None:
 
 async def test_an_early_slot_is_given_back_when_the_request_will_not_run() -> None:
     q = make()
-    early = q.try_early("r1", 1, False)
+    early = q.try_early("r1", 1, False, 0)
     assert early is not None and await q.took_early(early)
     q.drop_early("r1", early)  # e.g. the quota reservation was refused
     await settle()
     assert not q.held and await q.gate.in_flight("m") == (0, 0)
     # still running when dropped: given back once it completes
-    early = q.try_early("r2", 1, False)
+    early = q.try_early("r2", 1, False, 0)
     assert early is not None
     q.drop_early("r2", early)
     await early
@@ -201,5 +201,51 @@ async def test_an_early_slot_is_given_back_when_the_request_will_not_run() -> No
     await q.acquire("holder", "t", 1.0, 5, 1, None, None)
     w = asyncio.ensure_future(q.acquire("w", "t", 1.0, 5, 1, None, None))
     await settle()
-    assert q.try_early("r3", 1, False) is None
+    assert q.try_early("r3", 1, False, 0) is None
     w.cancel()
+
+
+async def test_the_reserve_keeps_room_for_urgent_requests() -> None:
+    # 4 sequences; half is reserved for priority <= 1
+    q = make(cap_seqs=4, reserve_share=0.5, reserve_priority=1)
+    for i in range(2):  # batch fills its share at once
+        assert await q.acquire(f"b{i}", "t", 1.0, 5, 1, None, None) == 0.0
+    third = asyncio.ensure_future(q.acquire("b2", "t", 1.0, 5, 1, None, None))
+    await settle()
+    assert not third.done() and q.size == 1  # the batch request waits: its share is full
+    # an urgent request arriving behind it goes past, into the reserve
+    assert await asyncio.wait_for(q.acquire("u0", "t", 1.0, 0, 1, None, None), 1) >= 0
+    assert await asyncio.wait_for(q.acquire("u1", "t", 1.0, 1, 1, None, None), 1) >= 0
+    assert not third.done()
+    # the upstream is full now: an urgent one waits too, and goes first when a slot frees
+    urgent = asyncio.ensure_future(q.acquire("u2", "t", 1.0, 0, 1, None, None))
+    await settle()
+    q.release("u0", 1)
+    await asyncio.wait_for(urgent, 1)
+    assert not third.done()
+    # batch starts again only once the upstream is back under its share (2 of 4 in flight)
+    q.release("b0", 1)
+    q.release("u1", 1)
+    await settle()
+    assert not third.done()  # b1 and u2 still hold 2
+    q.release("u2", 1)
+    await asyncio.wait_for(third, 1)
+    await q.aclose()
+
+
+async def test_without_a_reserve_batch_may_take_every_slot() -> None:
+    q = make(cap_seqs=4)
+    for i in range(4):
+        assert await q.acquire(f"b{i}", "t", 1.0, 5, 1, None, None) == 0.0
+    await q.aclose()
+
+
+async def test_the_reserve_applies_to_kv_tokens_too() -> None:
+    q = make(cap_seqs=None, cap_tokens=1000, reserve_share=0.25, reserve_priority=0)
+    assert await q.acquire("b0", "t", 1.0, 3, 700, None, None) == 0.0
+    waiting = asyncio.ensure_future(q.acquire("b1", "t", 1.0, 3, 100, None, None))
+    await settle()
+    assert not waiting.done()  # 800 > 750, the batch share of the tokens
+    assert await asyncio.wait_for(q.acquire("u0", "t", 1.0, 0, 300, None, None), 1) >= 0
+    waiting.cancel()
+    await q.aclose()
