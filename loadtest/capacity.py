@@ -141,7 +141,7 @@ async def experiment(gw: str, backend: str, out: Path, probes: int) -> dict[str,
 
 
 def start_up(workdir: Path, tenants: Path, model: Path, max_seqs: int,
-             ) -> tuple[Service, str, str]:
+             reserve: float = 0.0) -> tuple[Service, str, str]:
     """`sluice up` in its own process group on free ports: (service, gateway, backend).
 
     The backend serves `small_model` (the tiny model is so cheap per step that the HTTP
@@ -160,7 +160,10 @@ def start_up(workdir: Path, tenants: Path, model: Path, max_seqs: int,
              "--max-num-seqs", str(max_seqs)],
             cwd=REPO_ROOT, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,
-            env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"})
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1",
+                 # the gateway keeps this share of the backend for interactive (priority 0)
+                 "SLUICE_QUEUE__RESERVE_SHARE": str(reserve),
+                 "SLUICE_QUEUE__RESERVE_PRIORITY": "0"})
     service = Service("sluice-up", proc, port, log)
     try:
         wait_ready(service, "/healthz", 180)
@@ -177,7 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probes", type=int, default=4, help="sweep runs (default 4)")
     ap.add_argument("--max-num-seqs", type=int, default=8,
                     help="the backend's batch limit (default 8; see start_up)")
+    ap.add_argument("--reserve", type=float, default=0.25,
+                    help="gateway queue.reserve_share kept for the interactive class "
+                         "(priority 0); default 0.25, 0 turns it off")
     args = ap.parse_args(argv)
+    if not 0 <= args.reserve < 1:
+        ap.error("--reserve must be in [0, 1)")
     os.environ.update(KEYS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -186,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         tenants.write_text(tenants_yaml())
         try:
             model = write_small_model(Path(tmp) / "small-model")
-            up, gw, backend = start_up(Path(tmp), tenants, model, args.max_num_seqs)
+            up, gw, backend = start_up(Path(tmp), tenants, model, args.max_num_seqs,
+                                       args.reserve)
         except TargetError as exc:
             print(f"capacity: sluice up did not start: {exc}", file=sys.stderr)
             return 1

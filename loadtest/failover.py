@@ -40,6 +40,10 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-demo-alpha"
 COOLDOWN_S = 2.0
+# Per backend in the routing part: 2,560 tokens, room for the running requests and about
+# four of prefix.yaml's eight 400-token documents, so that where requests go decides what
+# stays cached (with the default ~131k-token cache each backend would keep all eight).
+PREFIX_KV_BLOCKS = 160
 BODY = {"model": "sluice-tiny", "messages": [{"role": "user", "content": "count to ten"}],
         "max_tokens": 32, "ignore_eos": True, "stream": True}
 
@@ -86,11 +90,12 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 class Stack:
     """Two backends and a gateway pooling them, in a temporary directory."""
 
-    def __init__(self, tmp: Path, routing: str) -> None:
+    def __init__(self, tmp: Path, routing: str, kv_blocks: int | None = None) -> None:
         self.tmp = tmp
         self.ports = [free_port(), free_port()]
+        kv = ["--kv-blocks", str(kv_blocks)] if kv_blocks else []
         self.backends = [_spawn(["backend", "--model", "tiny", "--port", str(p),
-                                 "--log-level", "warning"], tmp / f"backend-{p}.log")
+                                 "--log-level", "warning", *kv], tmp / f"backend-{p}.log")
                          for p in self.ports]
         self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
         for url, proc in zip(self.urls, self.backends, strict=True):
@@ -265,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-at", type=float, default=8.0)
     p.add_argument("--load", type=float, default=0.7, help="share of the pool's capacity")
     p.add_argument("--prefix-duration", type=float, default=30.0)
+    p.add_argument("--prefix-kv-blocks", type=int, default=PREFIX_KV_BLOCKS,
+                   help="KV blocks of each backend in the routing part (default "
+                        f"{PREFIX_KV_BLOCKS}: prefix.yaml's 8 documents outgrow one cache)")
     p.add_argument("--skip-routing", action="store_true")
     p.add_argument("--skip-failover", action="store_true")
     args = p.parse_args(argv)
@@ -280,12 +288,13 @@ def main(argv: list[str] | None = None) -> int:
         for routing in ("least_load", "prefix"):
             sub = Path(d) / routing
             sub.mkdir()
-            stack = Stack(sub, routing)
+            stack = Stack(sub, routing, args.prefix_kv_blocks)
             try:
                 rows[routing] = asyncio.run(_routing(stack, args.prefix_duration))
             finally:
                 stack.close()
-        print(f"\nconfigs/workloads/prefix.yaml, {args.prefix_duration:.0f} s, 2 backends")
+        print(f"\nconfigs/workloads/prefix.yaml, {args.prefix_duration:.0f} s, 2 backends of "
+              f"{args.prefix_kv_blocks} KV blocks (16 tokens) each")
         print(f"{'routing':<12}{'hit rate':>10}{'tokens saved':>14}{'TTFT p50 ms':>13}"
               f"{'TTFT p95 ms':>13}{'goodput':>9}")
         for name, r in rows.items():

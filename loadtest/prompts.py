@@ -61,21 +61,34 @@ class PromptBook:
     cheaper than new traffic. Shared prefixes stay the same across runs, as a system
     prompt does."""
 
-    def __init__(self, calibration: Calibration, seed: int,
-                 prefixes: dict[str, int], salt: int = 0) -> None:
+    def __init__(self, calibration: Calibration, seed: int, prefixes: dict[str, int],
+                 salt: int = 0, counts: dict[str, int] | None = None) -> None:
         self.cal = calibration
         self.seed = seed
         self.salt = salt
-        self._prefix_text = {name: words(hash_name(name, seed),
-                                         calibration.words_for(tokens, with_overhead=False))
-                             for name, tokens in prefixes.items()}
+        self._prefix_words = {name: calibration.words_for(tokens, with_overhead=False)
+                              for name, tokens in prefixes.items()}
         self._prefix_tokens = prefixes
+        self._counts = counts or {}
+        self._prefix_text: dict[tuple[str, int], str] = {}
+
+    def prefix(self, group: str, idx: int) -> str:
+        """The shared prefix request ``idx`` of ``group`` starts with: one of the group's
+        ``count`` texts, chosen by the index and the seed (not the salt: the same each run)."""
+        count = self._counts.get(group, 1)
+        k = 0 if count == 1 else random.Random(hash_name(f"p:{idx}", self.seed)).randrange(count)
+        text = self._prefix_text.get((group, k))
+        if text is None:  # variant 0 keeps the text a one-prefix group always had
+            name = group if k == 0 else f"{group}#{k}"
+            text = self._prefix_text[(group, k)] = words(hash_name(name, self.seed),
+                                                         self._prefix_words[group])
+        return text
 
     def text(self, idx: int, input_tokens: int, prefix_group: str | None = None) -> str:
         body_tokens = float(input_tokens)
         head = ""
-        if prefix_group is not None and prefix_group in self._prefix_text:
-            head = self._prefix_text[prefix_group] + "\n"
+        if prefix_group is not None and prefix_group in self._prefix_words:
+            head = self.prefix(prefix_group, idx) + "\n"
             body_tokens -= self._prefix_tokens[prefix_group]
         n = self.cal.words_for(body_tokens)
         return head + words(hash_name(f"{self.salt}:{idx}", self.seed), n)

@@ -67,7 +67,8 @@ async def measure_workload(w: Workload, base_url: str, key: str | None, *,
     target = Target(base_url, key, timeout_s, continuous)
     plan = schedule(w)
     salt = secrets.randbits(48) if prompt_salt is None else prompt_salt
-    prompts = PromptBook(cal, w.seed, {g.name: g.tokens for g in w.prefix_groups}, salt)
+    prompts = PromptBook(cal, w.seed, {g.name: g.tokens for g in w.prefix_groups}, salt,
+                         {g.name: g.count for g in w.prefix_groups})
     keys = {c.name: c.api_key(key) for c in w.classes}
     urls = [base_url] + [u for u in scrape or [] if u.rstrip("/") != base_url]
     if progress:

@@ -154,6 +154,9 @@ class ClassSpec(_Strict):
 class PrefixGroup(_Strict):
     name: str = Field(min_length=1)
     tokens: int = Field(ge=1)
+    # distinct prefixes in the group (documents, system prompts of many apps); each request
+    # of the group starts with one of them, drawn uniformly from its index and the seed
+    count: int = Field(1, ge=1, le=100_000)
 
 
 class Cost(_Strict):

@@ -181,3 +181,25 @@ def test_tokens_estimated_without_running_usage() -> None:
     m = measure(_record(events=[(1.1, -1), (1.2, -1)], chars=[1, 8], completion_tokens=5),
                 Slo())
     assert m.tokens_estimated and m.output_tokens == 5 and len(m.itl_ms) == 4
+
+
+def test_a_prefix_group_with_a_count_spreads_requests_over_that_many_prefixes() -> None:
+    from collections import Counter
+
+    from loadtest.prompts import Calibration, PromptBook, hash_name, words
+
+    cal = Calibration(per_word=1.0, overhead=0.0)
+    many = PromptBook(cal, 7, {"docs": 50}, salt=1, counts={"docs": 4})
+    heads = [many.text(i, 80, "docs").split("\n", 1)[0] for i in range(400)]
+    seen = Counter(heads)
+    assert len(seen) == 4 and all(len(h.split()) == 50 for h in seen)
+    assert min(seen.values()) >= 60  # uniform-ish: 100 each expected
+    # the same request starts with the same prefix in every run (only the body is salted)
+    other_run = PromptBook(cal, 7, {"docs": 50}, salt=2, counts={"docs": 4})
+    assert [other_run.text(i, 80, "docs").split("\n", 1)[0] for i in range(400)] == heads
+    # count 1 (the default) keeps the single prefix a group always had, which is also the
+    # first of the group's variants
+    one = PromptBook(cal, 7, {"docs": 50}, salt=1)
+    (single,) = {one.text(i, 80, "docs").split("\n", 1)[0] for i in range(50)}
+    assert single == words(hash_name("docs", 7), 50)
+    assert single in seen
