@@ -27,7 +27,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +35,8 @@ from typing import Any
 
 import httpx
 import yaml
+
+from loadtest.targets import Service, _spawn, free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-demo-alpha"
@@ -48,58 +49,22 @@ BODY = {"model": "sluice-tiny", "messages": [{"role": "user", "content": "count 
         "max_tokens": 32, "ignore_eos": True, "stream": True}
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "sluice.cli", *args], cwd=ROOT,
-                                stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)})
-
-
-def _wait(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} not ready in {timeout} s")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 class Stack:
     """Two backends and a gateway pooling them, in a temporary directory."""
 
     def __init__(self, tmp: Path, routing: str, kv_blocks: int | None = None) -> None:
         self.tmp = tmp
-        self.ports = [free_port(), free_port()]
         kv = ["--kv-blocks", str(kv_blocks)] if kv_blocks else []
-        self.backends = [_spawn(["backend", "--model", "tiny", "--port", str(p),
-                                 "--log-level", "warning", *kv], tmp / f"backend-{p}.log")
-                         for p in self.ports]
-        self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
-        for url, proc in zip(self.urls, self.backends, strict=True):
-            _wait(url + "/health", proc)
+        self.backends: list[Service] = []
+        self.gateway: Service | None = None
+        for _ in range(2):
+            p = free_port()
+            self.backends.append(_spawn(f"backend-{p}", [
+                sys.executable, "-m", "sluice.cli", "backend", "--model", "tiny", "--port",
+                str(p), "--log-level", "warning", *kv], p, tmp))
+        self.urls = [f"http://127.0.0.1:{b.port}" for b in self.backends]
+        for b in self.backends:
+            _ready(self, b, "/health")
         port = free_port()
         digest = "sha256:" + hashlib.sha256(KEY.encode()).hexdigest()
         (tmp / "tenants.yaml").write_text(yaml.safe_dump({"tenants": [
@@ -113,9 +78,10 @@ class Stack:
             "models": [{"name": "sluice-tiny", "upstreams": self.urls, "kind": "sluice",
                         "tokenizer": "local:tiny", "routing": routing}]}))
         self.url = f"http://127.0.0.1:{port}"
-        self.gateway = _spawn(["gateway", "--config", str(tmp / "gateway.yaml"),
-                               "--log-level", "warning"], tmp / "gateway.log")
-        _wait(self.url + "/readyz", self.gateway)
+        self.gateway = _spawn("gateway", [sys.executable, "-m", "sluice.cli", "gateway",
+                                          "--config", str(tmp / "gateway.yaml"),
+                                          "--log-level", "warning"], port, tmp)
+        _ready(self, self.gateway, "/readyz")
 
     def metric(self, prefix: str) -> float:
         for line in httpx.get(self.url + "/metrics", timeout=5).text.splitlines():
@@ -133,8 +99,18 @@ class Stack:
         return out
 
     def close(self) -> None:
-        for proc in (self.gateway, *self.backends):
-            _stop(proc)
+        for service in (self.gateway, *self.backends):
+            if service is not None:
+                service.stop()
+
+
+def _ready(stack: Stack, service: Service, path: str) -> None:
+    """Wait for ``service``; if it never comes up, stop what the stack started and raise."""
+    try:
+        wait_ready(service, path, 60)
+    except BaseException:
+        stack.close()
+        raise
 
 
 # ---- part 1: failover ----------------------------------------------------------------------
@@ -174,7 +150,7 @@ async def _failover(stack: Stack, rate: float, duration: float,
     rng = random.Random(8)
     out: list[dict[str, Any]] = []
     tasks: list[asyncio.Task[None]] = []
-    victim = stack.backends[0]
+    victim = stack.backends[0].proc
     killed_at = in_flight = 0.0
     async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=2000)) as c:
         t0 = time.monotonic()
