@@ -27,7 +27,6 @@ from typing import Any
 from loadtest.client import calibrate
 from loadtest.command import write_measurement
 from loadtest.run import Measurement, measure_workload
-from loadtest.small_model import write_small_model
 from loadtest.sweep import find_capacity
 from loadtest.targets import Service, TargetError, free_port, wait_ready
 from loadtest.workload import Workload, load_workload
@@ -140,11 +139,20 @@ async def experiment(gw: str, backend: str, out: Path, probes: int) -> dict[str,
     return summary
 
 
+def write_small_model(out: Path) -> Path:
+    """`sluice tiny-model --size small`: the tiny model's tokenizer with ~10M parameters
+    (loadtest reaches the rest of Sluice through its command line and HTTP only)."""
+    subprocess.run([sys.executable, "-m", "sluice.cli", "tiny-model", "--size", "small",
+                    "--out", str(out)], check=True, cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
+                   env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    return out
+
+
 def start_up(workdir: Path, tenants: Path, model: Path, max_seqs: int,
              reserve: float = 0.0) -> tuple[Service, str, str]:
     """`sluice up` in its own process group on free ports: (service, gateway, backend).
 
-    The backend serves `small_model` (the tiny model is so cheap per step that the HTTP
+    The backend serves the `small` model (the tiny model is so cheap per step that the HTTP
     layers, on the same two cores, would saturate first and the experiment would measure
     them instead of admission in front of a model at its limit), with one torch thread so
     that the gateway and this client keep a core. ``max_seqs`` caps the backend's batch;

@@ -10,10 +10,10 @@ from pathlib import Path
 
 
 def _tiny_model(args: argparse.Namespace) -> int:
-    from backend.engine.tiny_model import write_tiny_model
+    from backend.engine.tiny_model import SIZES, write_tiny_model
 
-    out = write_tiny_model(Path(args.out))
-    print(f"wrote the tiny model to {out}")
+    out = write_tiny_model(Path(args.out), SIZES[args.size])
+    print(f"wrote the {args.size} model to {out}")
     return 0
 
 
@@ -23,6 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tiny-model", help="write the deterministic default checkpoint")
     p.add_argument("--out", required=True, help="directory to write (HF layout)")
+    p.add_argument("--size", choices=("tiny", "small"), default="tiny",
+                   help="tiny (default) or small: ~10M parameters, the same tokenizer, "
+                        "for load tests where the model must saturate before HTTP on a CPU")
     p.set_defaults(func=_tiny_model)
 
     # Each part adds its own subcommands; their modules import heavy code lazily.

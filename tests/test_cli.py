@@ -50,3 +50,25 @@ def test_up_applies_sluice_overrides_and_refuses_a_bad_one(monkeypatch) -> None:
     assert proc.returncode == 2
     assert "queue.reserve_share" in proc.stderr
     assert "starting the bundled backend" not in proc.stdout  # refused before starting it
+
+
+def test_tiny_model_small_size_has_the_small_shapes_and_the_same_tokenizer(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    import json
+
+    from safetensors.numpy import load_file
+
+    from backend.engine.tiny_model import SIZES
+
+    out = tmp_path / "small"
+    assert main(["tiny-model", "--size", "small", "--out", str(out)]) == 0
+    shape = SIZES["small"]
+    config = json.loads((out / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["head_dim"]) == (
+        shape.hidden, shape.layers, shape.hidden // shape.heads)
+    weights = load_file(str(out / "model.safetensors"))
+    assert weights["model.layers.0.mlp.up_proj.weight"].shape == (shape.intermediate,
+                                                                  shape.hidden)
+    assert len([k for k in weights if k.endswith("mlp.up_proj.weight")]) == shape.layers
+    for name in ("tokenizer.json", "chat_template.jinja"):
+        assert (out / name).read_bytes() == (tiny_model_dir / name).read_bytes()

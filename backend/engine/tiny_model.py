@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +42,30 @@ IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, IM_START, IM_END)
 
 BPE_VOCAB_SIZE = 1024
-HIDDEN_SIZE = 64
-INTERMEDIATE_SIZE = 176
-NUM_LAYERS = 4
-NUM_HEADS = 4
-NUM_KV_HEADS = 2
-HEAD_DIM = HIDDEN_SIZE // NUM_HEADS
 MAX_POSITIONS = 2048
+
+
+@dataclass(slots=True, frozen=True)
+class Shape:
+    """The Llama shapes of a generated checkpoint, and the seed of its weights."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    seed: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+# The default model. `small` (~10M parameters) is the same tokenizer and template with
+# shapes that make a CPU decode step cost milliseconds, so that under load the model, not
+# Python or HTTP, saturates first (`make capacity`).
+SIZES = {"tiny": Shape(64, 176, 4, 4, 2, SEED), "small": Shape(384, 1024, 6, 6, 2, 7)}
+TINY = SIZES["tiny"]
 # The lm_head is drawn wider than 1/sqrt(fan_in) so that logits spread over several units and
 # the argmax is rarely a near-tie.
 LM_HEAD_GAIN = 4.0
@@ -113,17 +131,17 @@ def _padded_vocab(n: int, multiple: int = 64) -> int:
     return -(-n // multiple) * multiple
 
 
-def _model_config(vocab_size: int, ids: dict[str, int]) -> dict[str, Any]:
+def _model_config(vocab_size: int, ids: dict[str, int], shape: Shape) -> dict[str, Any]:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": vocab_size,
-        "hidden_size": HIDDEN_SIZE,
-        "intermediate_size": INTERMEDIATE_SIZE,
-        "num_hidden_layers": NUM_LAYERS,
-        "num_attention_heads": NUM_HEADS,
-        "num_key_value_heads": NUM_KV_HEADS,
-        "head_dim": HEAD_DIM,
+        "hidden_size": shape.hidden,
+        "intermediate_size": shape.intermediate,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": MAX_POSITIONS,
         "rope_theta": 10000.0,
@@ -143,9 +161,9 @@ def _model_config(vocab_size: int, ids: dict[str, int]) -> dict[str, Any]:
     }
 
 
-def _weights(vocab_size: int) -> dict[str, np.ndarray]:
+def _weights(vocab_size: int, shape: Shape) -> dict[str, np.ndarray]:
     """Seeded weights, drawn in one fixed key order from a single PCG64 stream."""
-    rng = np.random.Generator(np.random.PCG64(SEED))
+    rng = np.random.Generator(np.random.PCG64(shape.seed))
 
     def normal(shape: tuple[int, int], std: float) -> np.ndarray:
         return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
@@ -153,26 +171,28 @@ def _weights(vocab_size: int) -> dict[str, np.ndarray]:
     def linear(out_features: int, in_features: int, gain: float = 1.0) -> np.ndarray:
         return normal((out_features, in_features), gain / float(np.sqrt(in_features)))
 
-    h, kv = HIDDEN_SIZE, NUM_KV_HEADS * HEAD_DIM
+    h, kv, q = shape.hidden, shape.kv_heads * shape.head_dim, shape.heads * shape.head_dim
+    inter = shape.intermediate
     tensors: dict[str, np.ndarray] = {"model.embed_tokens.weight": normal((vocab_size, h), 1.0)}
-    for i in range(NUM_LAYERS):
+    for i in range(shape.layers):
         p = f"model.layers.{i}."
         tensors[p + "input_layernorm.weight"] = np.ones(h, dtype=np.float32)
-        tensors[p + "self_attn.q_proj.weight"] = linear(NUM_HEADS * HEAD_DIM, h)
+        tensors[p + "self_attn.q_proj.weight"] = linear(q, h)
         tensors[p + "self_attn.k_proj.weight"] = linear(kv, h)
         tensors[p + "self_attn.v_proj.weight"] = linear(kv, h)
-        tensors[p + "self_attn.o_proj.weight"] = linear(h, NUM_HEADS * HEAD_DIM)
+        tensors[p + "self_attn.o_proj.weight"] = linear(h, q)
         tensors[p + "post_attention_layernorm.weight"] = np.ones(h, dtype=np.float32)
-        tensors[p + "mlp.gate_proj.weight"] = linear(INTERMEDIATE_SIZE, h)
-        tensors[p + "mlp.up_proj.weight"] = linear(INTERMEDIATE_SIZE, h)
-        tensors[p + "mlp.down_proj.weight"] = linear(h, INTERMEDIATE_SIZE)
+        tensors[p + "mlp.gate_proj.weight"] = linear(inter, h)
+        tensors[p + "mlp.up_proj.weight"] = linear(inter, h)
+        tensors[p + "mlp.down_proj.weight"] = linear(h, inter)
     tensors["model.norm.weight"] = np.ones(h, dtype=np.float32)
     tensors["lm_head.weight"] = linear(vocab_size, h, gain=LM_HEAD_GAIN)
     return tensors
 
 
-def write_tiny_model(out_dir: Path) -> Path:
-    """Write the tiny checkpoint into out_dir (created if needed); returns out_dir."""
+def write_tiny_model(out_dir: Path, shape: Shape = TINY) -> Path:
+    """Write the tiny checkpoint (or another ``SIZES`` entry) into out_dir (created if
+    needed); returns out_dir."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()
@@ -183,7 +203,7 @@ def write_tiny_model(out_dir: Path) -> Path:
     vocab_size = _padded_vocab(tok.get_vocab_size(with_added_tokens=True))
 
     files: dict[str, bytes] = {
-        "config.json": _json_bytes(_model_config(vocab_size, ids)),
+        "config.json": _json_bytes(_model_config(vocab_size, ids, shape)),
         "generation_config.json": _json_bytes({
             "bos_token_id": ids[BOS_TOKEN],
             "eos_token_id": [ids[IM_END], ids[EOS_TOKEN]],
@@ -200,7 +220,8 @@ def write_tiny_model(out_dir: Path) -> Path:
             "tokenizer_class": "PreTrainedTokenizerFast",
         }),
         "chat_template.jinja": CHAT_TEMPLATE.encode("utf-8"),
-        "model.safetensors": save_safetensors(_weights(vocab_size), metadata={"format": "pt"}),
+        "model.safetensors": save_safetensors(_weights(vocab_size, shape),
+                                              metadata={"format": "pt"}),
     }
     for name, data in files.items():
         (out / name).write_bytes(data)
