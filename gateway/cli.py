@@ -250,8 +250,8 @@ def _up(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"sluice up: {exc}", file=sys.stderr)
         return 2
-    try:  # a bad SLUICE_* override fails before the backend starts
-        up_config(args, ModelEntry(name="check", upstream="http://127.0.0.1:1"))
+    try:  # a bad SLUICE_* override fails before the backend starts; the model comes later
+        settings = up_config(args, ModelEntry(name="pending", upstream="http://127.0.0.1:1"))
     except ConfigError as exc:
         print(f"sluice up: {exc}", file=sys.stderr)
         return 2
@@ -278,7 +278,7 @@ def _up(args: argparse.Namespace) -> int:
             tokenizer = "local:tiny" if args.model == "tiny" else f"local:{args.model}"
             entry = ModelEntry(name=name, upstream=backend_url, kind="sluice",
                                tokenizer=tokenizer)
-        config = up_config(args, entry)
+        config = settings.model_copy(update={"models": [entry]})
         app = create_app(config, tenants)
     except (RuntimeError, ValueError, ConfigError) as exc:
         print(f"sluice up: cannot start: {exc}", file=sys.stderr)
