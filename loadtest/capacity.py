@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import os
 import subprocess
@@ -28,7 +27,7 @@ from loadtest.client import calibrate
 from loadtest.command import write_measurement
 from loadtest.run import Measurement, measure_workload
 from loadtest.sweep import find_capacity
-from loadtest.targets import Service, TargetError, free_port, wait_ready
+from loadtest.targets import Service, TargetError, free_port, hash_key, wait_ready
 from loadtest.workload import Workload, load_workload
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -37,11 +36,6 @@ KEYS = {"SLUICE_CAP_KEY_ALPHA": "sk-cap-alpha", "SLUICE_CAP_KEY_BETA": "sk-cap-b
 INTERACTIVE = "interactive"
 MODEL = "sluice-small"
 WARMUP_S = 15.0
-
-
-def hash_key(key: str) -> str:
-    """tenants.yaml's stored form of a key (as `sluice hash-key` prints it)."""
-    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
 
 
 def tenants_yaml() -> str:

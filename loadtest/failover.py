@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import os
 import random
@@ -36,7 +35,7 @@ from typing import Any
 import httpx
 import yaml
 
-from loadtest.targets import Service, _spawn, free_port, wait_ready
+from loadtest.targets import Service, _spawn, free_port, hash_key, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-demo-alpha"
@@ -66,7 +65,7 @@ class Stack:
         for b in self.backends:
             _ready(self, b, "/health")
         port = free_port()
-        digest = "sha256:" + hashlib.sha256(KEY.encode()).hexdigest()
+        digest = hash_key(KEY)
         (tmp / "tenants.yaml").write_text(yaml.safe_dump({"tenants": [
             {"id": "alpha", "keys": [digest], "priority": {"min": 0, "max": 10,
                                                            "default": 5}}]}))

@@ -208,15 +208,20 @@ models:
 {capacity}"""
 
 
+def hash_key(key: str) -> str:
+    """A key as tenants.yaml stores it (what `gateway.tenants.hash_key` computes; loadtest
+    reaches the gateway through files and HTTP only)."""
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
 def tenants_yaml(quotas: dict[str, int] | None = None) -> str:
     """The bench tenant; with `quotas`, limits that admission enforces on every request."""
-    digest = hashlib.sha256(BENCH_KEY.encode()).hexdigest()
     limits = "" if quotas is None else f"    quotas: {_flow(quotas)}\n"
     return f"""\
 tenants:
   - id: bench
     name: Benchmark tenant
-    keys: ["sha256:{digest}"]
+    keys: ["{hash_key(BENCH_KEY)}"]
     models: ["{MODEL}"]
     priority: {{min: 0, max: 10, default: 5}}
     caps: {{max_prompt_tokens: 100000, max_tokens: 100000, on_exceed: reject}}

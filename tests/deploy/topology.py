@@ -11,16 +11,22 @@ gzip forced on, to show that the streaming measurement notices a proxy that hold
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadtest.targets import REPO_ROOT, Service, free_port, start_redis, wait_ready
+from gateway.tenants import hash_key
+from loadtest.targets import (
+    REPO_ROOT,
+    Service,
+    _spawn,
+    free_port,
+    start_redis,
+    wait_ready,
+)
 
 PROXY_CONF = REPO_ROOT / "docker" / "nginx-proxy.conf"
 ADMIN_KEY = "sk-deploy-operator"
@@ -80,24 +86,15 @@ def spawn(name: str, argv: list[str], port: int, workdir: Path,
           env: dict[str, str] | None = None) -> Service:
     """A child in its own session (stopping it stops its workers); SLUICE_* and OTEL_*
     variables of the caller are dropped, so each process runs on its own config only."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("SLUICE_", "OTEL_"))}
-    full_env.update(PYTHONPATH=str(REPO_ROOT), **(env or {}))
-    log = workdir / f"{name}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, env=full_env)
-    return Service(name, proc, port, log)
-
-
-def _hash(key: str) -> str:
-    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+    return _spawn(name, argv, port, workdir, env,
+                  unset=tuple(k for k in os.environ if k.startswith(("SLUICE_", "OTEL_"))))
 
 
 def write_configs(workdir: Path, redis_url: str, backend_port: int, paced_ports: list[int],
                   ports: list[int]) -> list[Path]:
     (workdir / "tenants.yaml").write_text(json.dumps({"tenants": [
-        {"id": "open", "keys": [_hash(OPEN_KEY)]},
-        {"id": "metered", "keys": [_hash(METERED_KEY)],
+        {"id": "open", "keys": [hash_key(OPEN_KEY)]},
+        {"id": "metered", "keys": [hash_key(METERED_KEY)],
          "quotas": {"tokens_per_minute": METERED_TPM}},
     ]}))
     configs = []

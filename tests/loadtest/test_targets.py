@@ -158,3 +158,9 @@ def test_cpu_split_puts_a_childs_cpu_apart_from_its_parents(tmp_path: Path) -> N
         assert service.cpu_seconds() >= own + 0.3 - 0.02
     finally:
         service.stop()
+
+
+def test_the_benches_hash_keys_as_the_gateway_does() -> None:
+    from gateway.tenants import hash_key
+
+    assert procs.hash_key("sk-bench") == hash_key("sk-bench")
