@@ -438,7 +438,7 @@ class Exchange:
                 else self.finish_reason
             self.trace.set(input_tokens=prompt, output_tokens=completion,
                            cached_tokens=cached if isinstance(cached, int) else None,
-                           finish_reason=[reason] if isinstance(reason, str) else None)
+                           finish_reason=(reason,) if isinstance(reason, str) else None)
         if self.ticket is not None:
             self.gw.admission.settle(self.ticket, prompt + completion)
         self.gw.ledger.settle(Settlement(

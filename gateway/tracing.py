@@ -9,7 +9,6 @@ here; ``telemetry`` builds the tracer behind it.
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any
 
@@ -20,6 +19,8 @@ from telemetry import extract, new_span_id, record_phase
 
 from .errors import GatewayError
 from .stamp import Stamp
+
+_CLIENT, _INTERNAL = SpanKind.CLIENT, SpanKind.INTERNAL  # (enum lookups run Python code)
 
 # phase span names (children of sluice.request)
 AUTH = "sluice.auth"
@@ -118,7 +119,7 @@ class RequestTrace(NoTrace):
         if attributes:
             attrs = {**attrs, **attributes} if attrs else attributes
         record_phase(self.tracer, self.root, name, start_ns, time.time_ns(), attrs,
-                     SpanKind.CLIENT if name == UPSTREAM else SpanKind.INTERNAL, span_id)
+                     _CLIENT if span_id else _INTERNAL, span_id)
 
     def set(self, **attributes: Any) -> None:
         attrs = self.attrs
@@ -181,11 +182,19 @@ _NAMES = {
 }
 
 
-@functools.lru_cache(maxsize=1024)
+_STAMPS: dict[tuple[str, int, str], tuple[Any, dict[str, Any]]] = {}
+
+
 def _stamp_attributes(stamp: Stamp) -> dict[str, Any]:
-    """The versions that produced an answer (the same for every request of a version)."""
+    """The versions that produced an answer (the same for every request of a version).
+    Cached by model, policy and the identity of the versions object (one per upstream
+    refresh): hashing the dataclasses would run Python code over their fields."""
     v = stamp.versions
-    return {
+    key = (stamp.model, id(v), stamp.policy)
+    hit = _STAMPS.get(key)
+    if hit is not None and hit[0] is v:
+        return hit[1]
+    attrs = {
         "gen_ai.response.model": stamp.model,
         "sluice.model.revision": v.revision,
         "sluice.tokenizer": v.tokenizer,
@@ -194,6 +203,10 @@ def _stamp_attributes(stamp: Stamp) -> dict[str, Any]:
         "sluice.policy": stamp.policy,
         "sluice.system_fingerprint": stamp.fingerprint(),
     }
+    if len(_STAMPS) >= 1024:
+        _STAMPS.clear()
+    _STAMPS[key] = (v, attrs)  # the versions object is kept, so its id is not reused
+    return attrs
 
 
 def reject_reason(err: GatewayError) -> str:

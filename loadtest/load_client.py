@@ -162,6 +162,8 @@ class Pool:
     opened: int = 0
     _drained: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    # closed loop (`closed_loop`): called with the connection that just finished a request
+    refill: Callable[[], None] | None = None
 
     async def warm(self, n: int) -> None:
         """Open connections up to `n` idle ones, before any timed run."""
@@ -208,6 +210,8 @@ class Pool:
         if reusable:
             self.idle.append(conn)
         self.done.append(sample)
+        if self.refill is not None:
+            self.refill()  # a lost connection is replaced: send() opens a new one
         self._maybe_drained()
 
     def lost(self, conn: _Conn) -> None:
@@ -282,3 +286,30 @@ async def open_loop(pool: Pool, rate: float, seconds: float, max_in_flight: int 
             last_expire = now
     await pool.drain(REQUEST_TIMEOUT_S)
     return pool.take()
+
+
+async def closed_loop(pool: Pool, concurrency: int, seconds: float,
+                      clock: Callable[[], float] = time.perf_counter) -> tuple[list[Sample], float]:
+    """`concurrency` clients, each sending its next request as soon as its previous one
+    ends, for `seconds`: the target's throughput when it is the bottleneck. Returns the
+    samples and the time from the first send to the last answer."""
+    await pool.warm(concurrency)
+    stop_at = clock() + seconds
+
+    def refill() -> None:
+        now = clock()
+        if now < stop_at:
+            pool.send(Sample(due=now))
+
+    pool.refill = refill
+    start = clock()
+    try:
+        for _ in range(concurrency):
+            pool.send(Sample(due=start))
+        await asyncio.sleep(max(0.0, stop_at - clock()))
+        pool.refill = None
+        await pool.drain(REQUEST_TIMEOUT_S)
+    finally:
+        pool.refill = None
+    samples = pool.take()
+    return samples, max((s.done for s in samples), default=start) - start

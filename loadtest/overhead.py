@@ -79,11 +79,14 @@ class Plan:
     step_requests: int = 100  # at least, per target per sweep step (slow targets)
     common_requests: int = 150  # at least, per target in (a')
     refinements: int = 2
+    saturation_rounds: int = 4  # tracing_cost's part (c): closed-loop rounds per gateway
+    saturation_segment_s: float = 2.0
 
     @classmethod
     def quick(cls, rate: float) -> Plan:
         return cls(rate=rate, seconds=3.0, segment_s=0.5, step_s=1.0, step_segment_s=0.5,
-                   step_requests=40, common_requests=60, refinements=1)
+                   step_requests=40, common_requests=60, refinements=1,
+                   saturation_rounds=4, saturation_segment_s=1.0)
 
 
 def _table(title: str, stats: dict[str, Stats], direct: str) -> None:

@@ -23,7 +23,7 @@ from typing import Any, Protocol, TextIO
 from urllib.parse import urlsplit
 
 from .otlp import Encoder
-from .tracing import Span
+from .tracing import Span, child_span
 
 log = logging.getLogger("sluice.telemetry")
 
@@ -134,7 +134,7 @@ class Console:
         self._stream = stream
 
     def prepare(self, span: Span) -> str:
-        spans = [span, *(c.as_span(span) for c in span.children)]
+        spans = [span, *(child_span(span, c) for c in span.children)]
         return "\n".join(json.dumps(span_dict(s, self._resource), default=str) for s in spans)
 
     def send(self, items: Sequence[str]) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import compress, count, repeat
+from operator import is_
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -22,6 +24,7 @@ Record = tuple[Any, ...]  # see to_record
 _pack_d = struct.Struct("<d").pack
 _pack_q = struct.Struct("<Q").pack
 _pack_i = struct.Struct("<I").pack
+_times = struct.Struct("<BQBQ").pack  # start (7) and end (8): tag, fixed64, tag, fixed64
 
 _KV_CACHE_MAX = 8192
 _KIND = [b"\x30" + bytes((k,)) for k in range(6)]  # Span.kind (field 6), proto values
@@ -75,43 +78,70 @@ def key_value(key: str, value: Any) -> bytes:
     return _str(1, key) + _ld(2, any_value(value))
 
 
+def _get_hashable(cache: Mapping[tuple[str, Any], bytes], item: tuple[str, Any]) -> bytes | None:
+    try:
+        return cache.get(item)
+    except TypeError:
+        return None
+
+
 class Encoder:
     """Encodes batches of finished spans. One per exporter thread (its cache is unlocked)."""
 
     def __init__(self, resource: Mapping[str, Any]) -> None:
         self._resource = _ld(1, b"".join(_ld(1, key_value(k, v))
                                          for k, v in resource.items()))
-        self._kv: dict[tuple[str, str], bytes] = {}  # string attributes: the whole field
+        # Whole encoded fields, per field number, keyed by the attribute's (key, value) item
+        # as ``dict.items()`` yields it, so that a span whose attributes are all cached is
+        # encoded without running Python code per attribute (``map(cache.get, items)``).
+        # Only string values (and tuples of strings) go in: no other value compares equal
+        # to a string, while True == 1 == 1.0 would mix up bool, int and float.
+        self._fields: dict[int, dict[tuple[str, Any], bytes]] = {}
+        self._ints: dict[tuple[int, str, int], bytes] = {}  # int attributes, looked up by type
         self._keys: dict[str, bytes] = {}  # other attributes: the encoded key
         self._scopes: dict[tuple[str, str], bytes] = {}
-        self._names: dict[str, bytes] = {}
+        self._names: dict[tuple[str, int], bytes] = {}  # name (5) and kind (6) fields
 
     def attributes(self, tag: int, attrs: Mapping[str, Any]) -> bytes:
-        """Repeated ``KeyValue`` fields numbered ``tag`` (< 16). Strings are cached as whole
-        fields (tenant, model, versions repeat); numbers are framed around a cached key."""
-        strings = self._kv
+        """Repeated ``KeyValue`` fields numbered ``tag`` (< 16), in the mapping's order.
+        Strings are cached as whole fields (tenant, model, versions repeat), and so are
+        ints; floats and bools are framed around a cached key."""
+        cache = self._fields.get(tag)
+        if cache is None:
+            cache = self._fields[tag] = {}
+        items = list(attrs.items())
+        try:
+            parts: list[bytes | None] = list(map(cache.get, items))
+        except TypeError:  # an unhashable value (a list)
+            parts = [_get_hashable(cache, item) for item in items]
+        if None not in parts:
+            return b"".join(parts)  # type: ignore[arg-type]
+        ints = self._ints
         keys = self._keys
         head = _SMALL[tag << 3 | 2]
-        parts = []
-        for k, v in attrs.items():
+        for i in compress(count(), map(is_, parts, repeat(None))):  # the misses only
+            k, v = items[i]
             t = type(v)
-            if t is str:
-                field = strings.get((k, v))
-                if field is None:
-                    if len(strings) >= _KV_CACHE_MAX:
-                        strings.clear()
-                    field = strings[(k, v)] = _ld(tag, key_value(k, v))
-                parts.append(field)
+            if t is str or (t is tuple and all(type(x) is str for x in v)):
+                if len(cache) >= _KV_CACHE_MAX:
+                    cache.clear()
+                parts[i] = cache[(k, v)] = _ld(tag, key_value(k, v))
                 continue
             if t is int:
-                value = b"\x18" + _varint(v & 0xFFFFFFFFFFFFFFFF)  # AnyValue.int_value (3)
-            elif t is float:
+                field = ints.get((tag, k, v))
+                if field is None:
+                    if len(ints) >= _KV_CACHE_MAX:
+                        ints.clear()
+                    field = ints[(tag, k, v)] = _ld(tag, key_value(k, v))
+                parts[i] = field
+                continue
+            if t is float:
                 value = b"\x21" + _pack_d(v)  # AnyValue.double_value (4)
             elif t is bool:
                 value = b"\x10\x01" if v else b"\x10\x00"
             else:
-                if v is not None:  # None is no value (the API drops it), not "None"
-                    parts.append(_ld(tag, key_value(k, v)))
+                # None is no value (the API drops it), not "None"
+                parts[i] = b"" if v is None else _ld(tag, key_value(k, v))
                 continue
             key = keys.get(k)
             if key is None:
@@ -119,17 +149,17 @@ class Encoder:
                     keys.clear()
                 key = keys[k] = _str(1, k)
             # KeyValue: key, then value (2) = the AnyValue (always < 128 bytes here)
-            body = key + b"\x12" + _SMALL[len(value)] + value
-            n = len(body)
-            parts.append(head + (_SMALL[n] if n < 0x80 else _varint(n)) + body)
-        return b"".join(parts)
+            n = len(key) + 2 + len(value)
+            parts[i] = b"".join((head, _SMALL[n] if n < 0x80 else _varint(n), key, b"\x12",
+                                 _SMALL[len(value)], value))
+        return b"".join(parts)  # type: ignore[arg-type]
 
-    def _name(self, name: str) -> bytes:
-        out = self._names.get(name)
+    def _name(self, name: str, kind: int) -> bytes:
+        out = self._names.get((name, kind))
         if out is None:
             if len(self._names) >= _KV_CACHE_MAX:
                 self._names.clear()
-            out = self._names[name] = _str(5, name)
+            out = self._names[(name, kind)] = _str(5, name) + _KIND[kind]
         return out
 
     def span(self, s: Span) -> bytes:
@@ -144,10 +174,9 @@ class Encoder:
         ids = b"\x0a\x10" + trace_id.to_bytes(16, "big")
         own = span_id.to_bytes(8, "big")
         state = _str(3, state_header) if state_header else b""
-        out = [ids + b"\x12\x08" + own + state
-               + (b"\x22\x08" + parent_id.to_bytes(8, "big") if parent_id else b"")
-               + self._name(name) + _KIND[kind] + b"\x39" + _pack_q(start)
-               + b"\x41" + _pack_q(end or start)]
+        out = [ids, b"\x12\x08", own, state,
+               b"\x22\x08" + parent_id.to_bytes(8, "big") if parent_id else b"",
+               self._name(name, kind), _times(0x39, start, 0x41, end or start)]
         if attrs:
             out.append(self.attributes(9, attrs))
         for event, t_ns, event_attrs in events:
@@ -167,15 +196,20 @@ class Encoder:
         encoded = _ld(2, b"".join(out))
         if not children:
             return encoded
-        parent = b"\x22\x08" + own
+        # a child: ids, own id, trace state, parent (the root), name + kind, times,
+        # attributes, flags; everything but its id, times and attributes is shared
+        shared = b"".join((state, b"\x22\x08", own))
         tail = b"\x85\x01" + _pack_i(flags | 0x100)
         parts = [encoded]
+        append = parts.append
         for c_name, c_id, c_start, c_end, c_attrs, c_kind in children:
-            body = (ids + b"\x12\x08" + c_id.to_bytes(8, "big") + state + parent
-                    + self._name(c_name) + _KIND[c_kind] + b"\x39" + _pack_q(c_start)
-                    + b"\x41" + _pack_q(c_end)
-                    + (self.attributes(9, c_attrs) if c_attrs else b"") + tail)
-            parts.append(_ld(2, body))
+            c_attrs_field = self.attributes(9, c_attrs) if c_attrs else b""
+            c_name_field = self._name(c_name, c_kind)
+            # 18 ids + 10 own id + 18 times + 6 flags = 52
+            n = 52 + len(shared) + len(c_name_field) + len(c_attrs_field)
+            append(b"".join((b"\x12", _SMALL[n] if n < 0x80 else _varint(n), ids,
+                             b"\x12\x08", c_id.to_bytes(8, "big"), shared, c_name_field,
+                             _times(0x39, c_start, 0x41, c_end), c_attrs_field, tail)))
         return b"".join(parts)
 
     def prepare(self, s: Span) -> tuple[tuple[str, str], bytes, int]:
@@ -206,12 +240,12 @@ class Encoder:
 def to_record(s: Span) -> Record:
     """A finished span tree as plain values: what the encoder reads, and what ``marshal``
     carries to the shipper process (telemetry.shipper)."""
-    ctx = s.context
-    return (s.scope, ctx.trace_id, ctx.span_id, int(ctx.trace_flags),
-            ctx.trace_state.to_header() if ctx.trace_state else "", s.parent_id,
+    ctx = s.context  # a tuple: (trace_id, span_id, is_remote, trace_flags, trace_state, …)
+    state = ctx[4]
+    return (s.scope, ctx[0], ctx[1], int(ctx[3]),
+            state.to_header() if state is not None and len(state) else "", s.parent_id,
             s.parent_remote, s.name, s.kind_code, s.start_ns, s.end_ns, s.attributes,
             s.events, [(lk.context.trace_id, lk.context.span_id,
-                        dict(lk.attributes) if lk.attributes else None) for lk in s.links],
-            s.status_code, s.status_message,
-            [(c.name, c.span_id, c.start_ns, c.end_ns, c.attributes, c.kind_code)
-             for c in s.children])
+                        dict(lk.attributes) if lk.attributes else None) for lk in s.links]
+            if s.links else (),
+            s.status_code, s.status_message, s.children)

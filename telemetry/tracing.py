@@ -35,7 +35,7 @@ _UNSAMPLED = TraceFlags(TraceFlags.DEFAULT)
 _MAX_ATTRIBUTES = 128
 _MAX_EVENTS = 128
 _KIND_CODE = {k: k.value + 1 for k in SpanKind}  # the API's INTERNAL=0 is the proto's 1
-_INTERNAL, _CLIENT = SpanKind.INTERNAL, SpanKind.CLIENT
+_INTERNAL, _CLIENT, _SERVER = SpanKind.INTERNAL, SpanKind.CLIENT, SpanKind.SERVER
 _STATUS_CODE = {StatusCode.UNSET: 0, StatusCode.OK: 1, StatusCode.ERROR: 2}
 
 
@@ -86,7 +86,9 @@ class Span(trace.Span):
         else:
             self.parent_id = parent[1]  # span_id (SpanContext is a tuple)
             self.parent_remote = parent[2]  # is_remote
-        self.kind_code = _KIND_CODE[kind]
+        # identity tests first: hashing an enum member runs Python code
+        self.kind_code = (2 if kind is _SERVER else 1 if kind is _INTERNAL
+                          else 3 if kind is _CLIENT else _KIND_CODE[kind])
         self.attributes: dict[str, Any] = dict(attributes) if attributes else {}
         if len(self.attributes) > _MAX_ATTRIBUTES:  # the limit holds from the start too
             self.attributes = dict(islice(self.attributes.items(), _MAX_ATTRIBUTES))
@@ -96,14 +98,14 @@ class Span(trace.Span):
         self.end_ns = 0
         self.status_code = 0
         self.status_message = ""
-        self.children: list[Child] = []
+        self.children: list[ChildRecord] = []
 
-    def add_child(self, child: Child) -> None:
-        """A finished child span, exported together with this one (see ``Child``)."""
+    def add_child(self, child: ChildRecord) -> None:
+        """A finished child span, exported together with this one (see ``ChildRecord``)."""
         if self.end_ns == 0:
             self.children.append(child)
         else:  # the parent is gone: the child goes on its own
-            self._sink(child.as_span(self))
+            self._sink(child_span(self, child))
 
     # ---- the API ---------------------------------------------------------------------------
     def get_span_context(self) -> SpanContext:
@@ -172,30 +174,23 @@ class Span(trace.Span):
                 f"span={self.context.span_id:016x})")
 
 
-class Child:
-    """A phase of a request, recorded as a child span of a ``Span`` without going through
-    the tracer: a few tuple stores instead of a SpanContext, a sampling decision and a
-    context per phase. It is encoded and exported with its parent, in the same batch."""
+# A finished phase of a request, recorded as a child span of a ``Span`` without going
+# through the tracer: a plain tuple (name, span_id, start_ns, end_ns, attributes, kind_code)
+# in the parent's ``children``, exported with the parent in the same batch. Plain tuples
+# because they go to the shipper as they are (``marshal`` takes no objects).
+ChildRecord = tuple[str, int, int, int, "dict[str, Any] | None", int]
 
-    __slots__ = ("attributes", "end_ns", "kind_code", "name", "span_id", "start_ns")
 
-    def __init__(self, name: str, span_id: int, start_ns: int, end_ns: int,
-                 attributes: dict[str, Any] | None, kind: SpanKind = SpanKind.INTERNAL) -> None:
-        self.name = name
-        self.span_id = span_id
-        self.start_ns = start_ns
-        self.end_ns = end_ns
-        self.attributes = attributes
-        # identity tests first: hashing an enum member runs Python code
-        self.kind_code = 1 if kind is _INTERNAL else 3 if kind is _CLIENT else _KIND_CODE[kind]
-
-    def as_span(self, parent: Span) -> Span:
-        ctx = SpanContext(parent.context.trace_id, self.span_id, False, _SAMPLED,
-                          parent.context.trace_state)
-        span = Span(parent._sink, parent.scope, self.name, ctx, parent.context,
-                    SpanKind(self.kind_code - 1), self.attributes, (), self.start_ns)
-        span.end_ns = self.end_ns
-        return span
+def child_span(parent: Span, child: ChildRecord) -> Span:
+    """A batched child as a ``Span`` of its own (console export, a child that outlived its
+    parent)."""
+    name, span_id, start_ns, end_ns, attributes, kind_code = child
+    ctx = SpanContext(parent.context.trace_id, span_id, False, _SAMPLED,
+                      parent.context.trace_state)
+    span = Span(parent._sink, parent.scope, name, ctx, parent.context,
+                SpanKind(kind_code - 1), attributes, (), start_ns)
+    span.end_ns = end_ns
+    return span
 
 
 class Tracer(trace.Tracer):
@@ -223,7 +218,8 @@ class Tracer(trace.Tracer):
             trace_id = rng.getrandbits(128) or 1
             state = None
         else:
-            trace_id, state = parent.trace_id, parent.trace_state
+            trace_id, state = parent[0], parent[4]  # SpanContext is a tuple; its
+            # properties are Python-level getters
         span_id = rng.getrandbits(64) or 1
         if not p.sampler.sample(parent, trace_id):
             return trace.NonRecordingSpan(SpanContext(trace_id, span_id, False, _UNSAMPLED,
@@ -263,18 +259,23 @@ class TracerProvider(trace.TracerProvider):
         return Tracer(self, (instrumenting_module_name, instrumenting_library_version or ""))
 
 
+_getrandbits = random.getrandbits
+
+
 def new_span_id() -> int:
-    return random.getrandbits(64) or 1
+    return _getrandbits(64) or 1
 
 
 def record_phase(tracer: trace.Tracer, parent: trace.Span, name: str, start_ns: int,
                  end_ns: int, attributes: dict[str, Any] | None = None,
                  kind: SpanKind = SpanKind.INTERNAL, span_id: int = 0) -> None:
     """A finished child span of ``parent`` from its two timestamps: batched with the parent
-    (``Child``) when the parent is ours, through the tracer for any other implementation."""
+    (a ``ChildRecord``) when the parent is ours, through the tracer for any other
+    implementation."""
     if type(parent) is Span:
-        child = Child(name, span_id or random.getrandbits(64) or 1, start_ns, end_ns,
-                      attributes, kind)
+        # identity tests first: hashing an enum member runs Python code
+        child = (name, span_id or _getrandbits(64) or 1, start_ns, end_ns, attributes,
+                 1 if kind is _INTERNAL else 3 if kind is _CLIENT else _KIND_CODE[kind])
         if parent.end_ns == 0:
             parent.children.append(child)
         else:

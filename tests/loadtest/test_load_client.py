@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from loadtest.fake_upstream import FakeSettings, FakeUpstream
-from loadtest.load_client import NOT_SENT, Pool, Sample, check_stream, open_loop
+from loadtest.load_client import NOT_SENT, Pool, Sample, check_stream, closed_loop, open_loop
 from loadtest.measure import Stats, Target, chat_request, interleaved, percentile
 
 
@@ -68,3 +68,42 @@ async def test_interleaved_measures_each_target_alike() -> None:
         assert isinstance(s, Stats)
         assert s.n == 40 and s.errors == 0
         assert 0 < s.ttft_p50_ms <= s.e2e_p50_ms <= s.e2e_p99_ms
+
+
+async def test_closed_loop_keeps_a_fixed_number_of_requests_in_flight() -> None:
+    # each answer takes ~50 ms (5 chunks 10 ms apart): 4 clients for 0.3 s make about 4 x 6
+    # requests, never more than 4 at once, all on the 4 warm connections
+    async with FakeUpstream(settings=FakeSettings(chunks=5, delay_ms=10)) as up:
+        pool = Pool("127.0.0.1", up.port, chat_request(up.port, None))
+        samples, span = await closed_loop(pool, concurrency=4, seconds=0.3)
+        assert pool.refill is None and pool.in_flight == 0
+        assert all(check_stream(s, 5) == "" for s in samples)
+        assert 12 <= len(samples) <= 32
+        assert 0.3 <= span < 1.0
+        events = sorted([(s.sent, 1) for s in samples] + [(s.done, -1) for s in samples])
+        in_flight = peak = 0
+        for _, step in events:
+            in_flight += step
+            peak = max(peak, in_flight)
+        assert peak == 4
+        # each client sent its next request right after its previous one ended
+        assert sum(1 for s in samples if s.due == s.sent or s.sent - s.due < 0.005) == len(samples)
+        assert pool.opened == 4
+        await pool.close()
+
+
+async def test_saturation_reports_rates_and_ratios_per_round() -> None:
+    from loadtest.tracing_cost import saturation
+
+    async with FakeUpstream(settings=FakeSettings(chunks=20)) as up:
+        targets = [Target(name, Pool("127.0.0.1", up.port, chat_request(up.port, None)))
+                   for name in ("base", "other")]
+        out = await saturation(targets, rounds=2, segment_s=0.2, clients=2)
+        for target in targets:
+            await target.pool.close()
+    assert [len(out["rates"][n]) for n in ("base", "other")] == [2, 2]
+    assert out["errors"] == {"base": {}, "other": {}}
+    assert all(r > 0 for r in out["rates"]["base"] + out["rates"]["other"])
+    assert out["ratios"]["other"] == [round(a / b, 4) for a, b in
+                                      zip(out["rates"]["other"], out["rates"]["base"])]
+    assert out["median_ratio"]["other"] > 0

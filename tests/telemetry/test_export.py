@@ -270,6 +270,23 @@ def test_cached_encodings_keep_bool_int_float_and_str_apart() -> None:
             ("u", ("string_value", "shared"))}
 
 
+def test_cached_encodings_keep_array_values_apart() -> None:
+    """Tuples of strings are cached like strings; (1,) and (True,) compare equal, so
+    tuples of anything else, and unhashable lists, are encoded each time."""
+    sink = Collect()
+    tracer = tracer_for(sink)
+    values: list[Any] = [("a",), ["a"], (1,), (True,), (1.0,), ("a",), [1], (True,), (1,),
+                         ("a", "b"), ["a", "b"]]
+    for v in values:
+        span = tracer.start_span("s", attributes={"k": "shared", "v": v, "n": 7})
+        span.end()
+    enc = Encoder({})
+    for got in ([only_spans(decode(enc, [s]))[0] for s in sink], only_spans(decode(enc, sink))):
+        assert [py(s.attributes[1].value) for s in got] == [py(av(v)) for v in values]
+        assert {py(s.attributes[0].value) for s in got} == {("string_value", "shared")}
+        assert {py(s.attributes[2].value) for s in got} == {("int_value", 7)}
+
+
 # ---- BatchExporter -------------------------------------------------------------------------
 
 class FakeTransport:
