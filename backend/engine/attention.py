@@ -12,10 +12,12 @@ of tensor ops whatever the batch looks like:
 - each sequence with several new tokens (a prefill chunk) runs one
   ``scaled_dot_product_attention`` against its cached + new keys, causal with an offset.
 
-Kernel choices are measured on a 2-core AVX2 CPU without bf16/fp16 hardware: decode
-attention reads bf16/fp32 K/V natively through SDPA with the GQA groups folded into
-query rows (SDPA's own ``enable_gqa`` and fp16 paths are ~6x slower there, so fp16 K/V
-is widened to fp32 first); prefill chunks run in float32.
+Kernel choices are measured on a 2-core AVX2 CPU without bf16/fp16 hardware: on the CPU
+decode attention runs ``decode_kernel.py``'s C kernel, which reads the blocks in place
+(~3x faster than gather + SDPA at batch 32). Without it (no compiler, fp16 caches, GPU)
+decode attention reads bf16/fp32 K/V natively through SDPA with the GQA groups folded
+into query rows (SDPA's own ``enable_gqa`` and fp16 paths are ~6x slower there, so fp16
+K/V is widened to fp32 first); prefill chunks run in float32.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
+from .decode_kernel import DecodeKernel
 from .errors import InvalidRequestError
 
 SeqSpec = tuple[list[int], int, int]  # (block_table, num_computed_tokens, num_new_tokens)
@@ -61,12 +64,15 @@ class DecodeGroup:
     num_seqs: int
     token_range: tuple[int, int] | None  # their flat token indices when contiguous
     token_indices: torch.Tensor | None  # [B] int64 otherwise
+    tokens: torch.Tensor  # [B] int64: flat token index of each (both cases)
     block_ids: torch.Tensor  # [B * blocks_per_seq] int64; short tables padded with block 0
     blocks_per_seq: int
-    mask: torch.Tensor  # [1, B, 1, L] bool: True for key positions < context length
+    context_lens: torch.Tensor  # [B] int64
+    # Computed at first use (every layer's cache has the same shape), only by the torch
+    # path: the padding mask [1, B, 1, L] (True for key positions < context length), and
     # block_ids offset per KV head into the [kv_heads * num_blocks, ...] view of a cache,
-    # so one dim-0 gather yields [kv_heads, B, L, D] contiguous (computed at first use:
-    # every layer's cache has the same shape).
+    # so one dim-0 gather yields [kv_heads, B, L, D] contiguous.
+    mask: torch.Tensor | None = None
     flat_ids: torch.Tensor | None = None
 
 
@@ -165,16 +171,16 @@ def _decode_group(
     width = max(len(t) for t in tables)
     # Padding reads block 0, which always exists; the mask hides whatever it holds.
     flat = [b for t in tables for b in (t + [0] * (width - len(t)))]
-    key_pos = torch.arange(width * block_size).unsqueeze(0)
-    visible = key_pos < torch.tensor(ctx_lens).unsqueeze(1)
     contiguous = tokens == list(range(tokens[0], tokens[0] + n))
+    token_t = torch.tensor(tokens, dtype=torch.int64).to(device)
     return DecodeGroup(
         num_seqs=n,
         token_range=(tokens[0], tokens[0] + n) if contiguous else None,
-        token_indices=None if contiguous else torch.tensor(tokens).to(device),
+        token_indices=None if contiguous else token_t,
+        tokens=token_t,
         block_ids=torch.tensor(flat, dtype=torch.int64).to(device),
         blocks_per_seq=width,
-        mask=visible.view(1, n, 1, -1).to(device),
+        context_lens=torch.tensor(ctx_lens, dtype=torch.int64).to(device),
     )
 
 
@@ -197,19 +203,43 @@ def paged_attention(
     batch: AttentionBatch,
     scale: float,
     ws: Workspace,
+    kernel: DecodeKernel | None = None,
 ) -> torch.Tensor:
     """Attend q [T, H, D] over each sequence's cached + new keys; returns [T, H*D].
 
     Precondition: ``write_kv`` already stored this step's k/v, so the cache holds every
-    key a token may see.
+    key a token may see. ``kernel``: the CPU decode kernel, used where it supports the
+    cache.
     """
     num_tokens, num_heads, dim = q.shape
     out = torch.empty((num_tokens, num_heads * dim), dtype=q.dtype, device=q.device)
     if batch.decode is not None:
-        _decode_attention(q, k_cache, v_cache, batch.decode, scale, out, ws)
+        if kernel is not None and kernel.supports(k_cache):
+            _decode_attention_kernel(kernel, q, k_cache, v_cache, batch.decode, scale, out,
+                                     ws)
+        else:
+            _decode_attention(q, k_cache, v_cache, batch.decode, scale, out, ws)
     for chunk in batch.prefills:
         _prefill_attention(q, k, v, k_cache, v_cache, chunk, scale, out)
     return out
+
+
+def _decode_attention_kernel(
+    kernel: DecodeKernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    group: DecodeGroup, scale: float, out: torch.Tensor, ws: Workspace,
+) -> None:
+    tables = group.block_ids.view(group.num_seqs, group.blocks_per_seq)
+    if q.dtype == torch.float32:  # q may be a strided view (rows of the fused qkv)
+        kernel(q, k_cache, v_cache, group.tokens, tables, group.context_lens, scale, out)
+        return
+    out32 = ws.get("attn_out32", tuple(out.shape), torch.float32, out.device)
+    kernel(q.float(), k_cache, v_cache, group.tokens, tables, group.context_lens, scale,
+           out32)
+    rng = group.token_range
+    if rng is not None:
+        out[rng[0]:rng[1]].copy_(out32[rng[0]:rng[1]])
+    else:
+        out.index_copy_(0, group.tokens, out32.index_select(0, group.tokens).to(out.dtype))
 
 
 def _decode_attention(
@@ -223,6 +253,9 @@ def _decode_attention(
     if group.flat_ids is None:
         heads = torch.arange(kv_heads, device=k_cache.device).unsqueeze(1) * num_blocks
         group.flat_ids = (heads + group.block_ids.unsqueeze(0)).view(-1)
+    if group.mask is None:
+        key_pos = torch.arange(length, device=k_cache.device).unsqueeze(0)
+        group.mask = (key_pos < group.context_lens.unsqueeze(1)).view(1, n, 1, -1)
     # SDPA's batch dims are (kv_heads, B): the gathered K/V are contiguous as they are.
     keys = _gather(k_cache, group.flat_ids, ws, "k").view(kv_heads, n, length, dim)
     values = _gather(v_cache, group.flat_ids, ws, "v").view(kv_heads, n, length, dim)

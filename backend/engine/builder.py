@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from .config import EngineConfig
+from .decode_kernel import load_decode_kernel
 from .detokenizer import IncrementalDetokenizer
 from .engine import LLMEngine
 from .errors import InvalidRequestError
@@ -16,6 +17,7 @@ from .kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_memo
 from .loader import load_model, model_revision
 from .model_config import ModelConfig
 from .model_runner import ModelRunner
+from .models.linear import can_prepack
 from .tiny_model import TINY_MODEL_NAME, ensure_tiny_model
 from .tokenizer import Tokenizer
 from .versions import ResolvedVersions, engine_version
@@ -86,8 +88,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
     path, name = resolve_model_path(config)
     loaded = load_model(path, dtype, device)
     mcfg = loaded.config
-    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
-        loaded.model.enable_fp32_matmuls()
+    if can_prepack(device):
+        loaded.model.prepack_cpu_matmuls()
+    if device.type == "cpu" and config.decode_kernel:
+        loaded.model.set_decode_kernel(load_decode_kernel())
     tokenizer = Tokenizer.from_dir(path)
     versions = ResolvedVersions(
         model=name,

@@ -24,6 +24,7 @@ class EngineConfig:
     cache_dir: str | None = None  # where "tiny" is built; default ~/.cache/sluice
     static_batching: bool = False  # benchmark baseline: form a batch, run it to completion
     num_threads: int | None = None  # CPU: torch intra-op threads (None: torch's default)
+    decode_kernel: bool = True  # CPU: compile and use the C decode-attention kernel
     served_model_name: str | None = None
 
     def __post_init__(self) -> None:

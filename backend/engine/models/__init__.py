@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 
 from ..attention import AttentionBatch
+from ..decode_kernel import DecodeKernel
 from ..errors import UnsupportedModelError
 from ..model_config import ModelConfig
 from .llama import LlamaForCausalLM
@@ -32,6 +33,10 @@ class CausalLM(Protocol):
     def named_parameters(self) -> object: ...
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> None: ...
+
+    def prepack_cpu_matmuls(self) -> None: ...
+
+    def set_decode_kernel(self, kernel: DecodeKernel | None) -> None: ...
 
 
 # Llama, Mistral and Qwen2 share one implementation; ModelConfig encodes the differences

@@ -18,29 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionBatch, Workspace, paged_attention, write_kv
+from ..decode_kernel import DecodeKernel
 from ..model_config import ModelConfig
-
-# CPU matmul kernels at decode shapes (measured on an AVX2 CPU without bf16 hardware,
-# the bench model's matmuls, 2 threads): a half-precision matmul is memory-bound and
-# fastest for few rows (half the bytes of fp32) but its GEMM kernels fall ~4x behind fp32
-# as rows grow; the two cost the same at 8 rows. So half-precision models on the CPU keep
-# a float32 copy of every matmul weight (``enable_fp32_matmuls``) for steps with 8 or more
-# rows. fp32 GEMM has a slow path at 2-3 rows (slower than 4): those are padded to 4.
-_FP32_MIN_ROWS = 8
-_FP32_PAD_ROWS = 4
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            weight32: torch.Tensor | None) -> torch.Tensor:
-    rows = x.shape[0]
-    if weight32 is not None and rows >= _FP32_MIN_ROWS:
-        b32 = bias.float() if bias is not None else None
-        return F.linear(x.float(), weight32, b32).to(x.dtype)
-    if 1 < rows < _FP32_PAD_ROWS and x.dtype == torch.float32 and x.device.type == "cpu":
-        padded = x.new_zeros((_FP32_PAD_ROWS, x.shape[1]))
-        padded[:rows] = x
-        return F.linear(padded, weight, bias)[:rows]
-    return F.linear(x, weight, bias)
+from .linear import PackedLinear, linear
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -166,6 +146,7 @@ class _Step:
     sin: torch.Tensor
     batch: AttentionBatch
     ws: Workspace
+    kernel: DecodeKernel | None
 
 
 class LlamaAttention(_Fused):
@@ -181,8 +162,8 @@ class LlamaAttention(_Fused):
                          config.hidden_size, config.attention_bias, dtype, device)
         self.o_proj = _Proj()
         self.o_proj.weight = _param((config.hidden_size, q), dtype, device)
-        self.qkv_w32: torch.Tensor | None = None  # see enable_fp32_matmuls
-        self.o_w32: torch.Tensor | None = None
+        self.qkv_packed: PackedLinear | None = None  # see prepack_cpu_matmuls
+        self.o_packed: PackedLinear | None = None
         if config.o_proj_bias:
             self.o_proj.bias = _param((config.hidden_size,), dtype, device)
 
@@ -190,14 +171,15 @@ class LlamaAttention(_Fused):
                 v_cache: torch.Tensor) -> torch.Tensor:
         t, ws = x.shape[0], step.ws
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = _linear(x, self.qkv_weight, self.qkv_bias, self.qkv_w32)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed)
         # q and k are adjacent columns, so one rotary pass covers both.
         qk = step.rope.rotate(qkv[:, :(h + hkv) * d].view(t, h + hkv, d), step.cos, step.sin)
         q, k = qk[:, :h], qk[:, h:]
         v = qkv[:, (h + hkv) * d:].view(t, hkv, d)
         write_kv(k_cache, v_cache, k, v, step.batch)
-        out = paged_attention(q, k, v, k_cache, v_cache, step.batch, self.scale, ws)
-        return _linear(out, self.o_proj.weight, self.o_proj.bias, self.o_w32)
+        out = paged_attention(q, k, v, k_cache, v_cache, step.batch, self.scale, ws,
+                              step.kernel)
+        return linear(out, self.o_proj.weight, self.o_proj.bias, self.o_packed)
 
 
 class LlamaMLP(_Fused):
@@ -210,13 +192,13 @@ class LlamaMLP(_Fused):
                          config.hidden_size, False, dtype, device)
         self.down_proj = _Proj()
         self.down_proj.weight = _param((config.hidden_size, inter), dtype, device)
-        self.gate_up_w32: torch.Tensor | None = None  # see enable_fp32_matmuls
-        self.down_w32: torch.Tensor | None = None
+        self.gate_up_packed: PackedLinear | None = None  # see prepack_cpu_matmuls
+        self.down_packed: PackedLinear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = _linear(x, self.gate_up_weight, None, self.gate_up_w32)
+        gate_up = linear(x, self.gate_up_weight, None, self.gate_up_packed)
         act = F.silu(gate_up[:, :self.inter]).mul_(gate_up[:, self.inter:])
-        return _linear(act, self.down_proj.weight, None, self.down_w32)
+        return linear(act, self.down_proj.weight, None, self.down_packed)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -260,7 +242,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.workspace = Workspace()  # scratch shared by all layers; one forward at a time
         self.model = LlamaModel(config, dtype, device)
-        self.lm_head_w32: torch.Tensor | None = None
+        self.lm_head_packed: PackedLinear | None = None
+        self.decode_kernel: DecodeKernel | None = None  # see set_decode_kernel
         if not config.tie_word_embeddings:
             self.lm_head = _Proj()
             self.lm_head.weight = _param((config.vocab_size, config.hidden_size), dtype, device)
@@ -277,7 +260,7 @@ class LlamaForCausalLM(nn.Module):
         m = self.model
         h = F.embedding(input_ids, m.embed_tokens.weight)
         cos, sin = m.rotary_emb.cos_sin(positions, h.dtype)
-        step = _Step(m.rotary_emb, cos, sin, batch, self.workspace)
+        step = _Step(m.rotary_emb, cos, sin, batch, self.workspace, self.decode_kernel)
         for layer, (k_cache, v_cache) in zip(m.layers, kv_caches, strict=True):
             h = layer(h, step, k_cache, v_cache)
         return m.norm(h)
@@ -285,7 +268,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
-        return _linear(hidden, self.lm_head_weight, None, self.lm_head_w32).float()
+        return linear(hidden, self.lm_head_weight, None, self.lm_head_packed, torch.float32)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -294,16 +277,20 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.weight
 
     @torch.no_grad()
-    def enable_fp32_matmuls(self) -> None:
-        """Keep float32 copies of the matmul weights for multi-row steps (CPU, half
-        dtypes): costs twice the half-precision weight memory again."""
+    def prepack_cpu_matmuls(self) -> None:
+        """Keep a oneDNN-prepacked float32 copy of every matmul weight (CPU; see
+        ``linear.py``). Costs one float32 copy of the matmul weights in memory."""
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv_w32 = attn.qkv_weight.float()
-            attn.o_w32 = attn.o_proj.weight.float()
-            mlp.gate_up_w32 = mlp.gate_up_weight.float()
-            mlp.down_w32 = mlp.down_proj.weight.float()
-        self.lm_head_w32 = self.lm_head_weight.float()
+            attn.qkv_packed = PackedLinear.pack(attn.qkv_weight, attn.qkv_bias)
+            attn.o_packed = PackedLinear.pack(attn.o_proj.weight, attn.o_proj.bias)
+            mlp.gate_up_packed = PackedLinear.pack(mlp.gate_up_weight, None)
+            mlp.down_packed = PackedLinear.pack(mlp.down_proj.weight, None)
+        self.lm_head_packed = PackedLinear.pack(self.lm_head_weight, None)
+
+    def set_decode_kernel(self, kernel: DecodeKernel | None) -> None:
+        """Use ``kernel`` for decode attention where it supports the cache (CPU)."""
+        self.decode_kernel = kernel
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """HF-named standalone tensors (no shared storage), ready for safetensors."""

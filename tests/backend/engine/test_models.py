@@ -60,9 +60,12 @@ def test_chunked_prefill_then_paged_decode_matches_hf(checkpoint: tuple[Path, An
     _close(torch.cat(rows), ref)
 
 
-def test_mixed_batch_matches_hf(checkpoint: tuple[Path, Any]) -> None:
+@pytest.mark.parametrize("packed", [False, True])
+def test_mixed_batch_matches_hf(checkpoint: tuple[Path, Any], packed: bool) -> None:
     path, hf = checkpoint
     loaded = load_model(path, torch.float32, torch.device("cpu"))
+    if packed:  # what the engine builder does on the CPU
+        loaded.model.prepack_cpu_matmuls()
     a, b, c = _tokens(45, 3), _tokens(30, 4), _tokens(20, 5)
     refs = [hf_logits(hf, s) for s in (a, b, c)]
     runner = PagedRunner(loaded.model, loaded.config, block_size=8, seed=3)
@@ -92,15 +95,15 @@ def test_sharded_checkpoint_loads_and_matches(tmp_path: Path) -> None:
     _close(ours, hf_logits(hf, toks))
 
 
-@pytest.mark.parametrize("fp32_matmuls", [False, True])
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_close_to_fp32(tmp_path: Path, dtype: torch.dtype,
-                                      fp32_matmuls: bool) -> None:
+                                      packed: bool) -> None:
     hf = save_hf_checkpoint("llama3", tmp_path, seed=9)
     loaded = load_model(tmp_path, dtype, torch.device("cpu"))
-    if fp32_matmuls:  # what the engine does for half dtypes on the CPU
-        loaded.model.enable_fp32_matmuls()
-        assert loaded.model.lm_head_w32 is not None
+    if packed:  # what the engine does on the CPU: multi-row steps use packed fp32 copies
+        loaded.model.prepack_cpu_matmuls()
+        assert loaded.model.lm_head_packed is not None
     assert loaded.model.model.embed_tokens.weight.dtype == dtype
     toks = _tokens(30, 8)
     ref = hf_logits(hf, toks)
