@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test install clean bench capacity
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py telemetry/_otlp.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# Pin the CPU build of torch first; an unpinned torch pulls a multi-GB CUDA build.
