@@ -20,7 +20,7 @@ from torch import nn
 from ..attention import AttentionBatch, Workspace, paged_attention, write_kv
 from ..decode_kernel import DecodeKernel
 from ..model_config import ModelConfig
-from .linear import PackedLinear, linear
+from .linear import HALF_MAX_ROWS, PackedLinear, linear
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -83,10 +83,16 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = _param((size,), dtype, device)
         self.eps = eps
+        self.weight32: torch.Tensor | None = None  # for float32 activations of a half model
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Fused kernel; accumulates the mean square in float32 for half inputs.
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        w = self.weight
+        if x.dtype != w.dtype:
+            if self.weight32 is None:
+                self.weight32 = w.float()
+            w = self.weight32
+        return F.rms_norm(x, w.shape, w, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -176,6 +182,8 @@ class LlamaAttention(_Fused):
         qk = step.rope.rotate(qkv[:, :(h + hkv) * d].view(t, h + hkv, d), step.cos, step.sin)
         q, k = qk[:, :h], qk[:, h:]
         v = qkv[:, (h + hkv) * d:].view(t, hkv, d)
+        if k.dtype != k_cache.dtype:  # float32 activations: K/V are stored (and used) rounded
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
         write_kv(k_cache, v_cache, k, v, step.batch)
         out = paged_attention(q, k, v, k_cache, v_cache, step.batch, self.scale, ws,
                               step.kernel)
@@ -259,6 +267,11 @@ class LlamaForCausalLM(nn.Module):
         """input_ids/positions [T] -> hidden [T, hidden]; writes the step's K/V."""
         m = self.model
         h = F.embedding(input_ids, m.embed_tokens.weight)
+        if self.lm_head_packed is not None and h.dtype != torch.float32 \
+                and h.shape[0] > HALF_MAX_ROWS:
+            # Steps that multiply with the packed fp32 weights keep the activations in
+            # float32: no half <-> fp32 conversion around every matmul, cheaper norms.
+            h = h.float()
         cos, sin = m.rotary_emb.cos_sin(positions, h.dtype)
         step = _Step(m.rotary_emb, cos, sin, batch, self.workspace, self.decode_kernel)
         for layer, (k_cache, v_cache) in zip(m.layers, kv_caches, strict=True):
@@ -279,7 +292,9 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def prepack_cpu_matmuls(self) -> None:
         """Keep a oneDNN-prepacked float32 copy of every matmul weight (CPU; see
-        ``linear.py``). Costs one float32 copy of the matmul weights in memory."""
+        ``linear.py``). Costs one float32 copy of the matmul weights in memory. Half
+        models then run steps of more than ``HALF_MAX_ROWS`` tokens with float32
+        activations (K/V still stored in the model dtype)."""
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv_packed = PackedLinear.pack(attn.qkv_weight, attn.qkv_bias)
@@ -287,6 +302,12 @@ class LlamaForCausalLM(nn.Module):
             mlp.gate_up_packed = PackedLinear.pack(mlp.gate_up_weight, None)
             mlp.down_packed = PackedLinear.pack(mlp.down_proj.weight, None)
         self.lm_head_packed = PackedLinear.pack(self.lm_head_weight, None)
+        if self.dtype != torch.float32:  # multi-row steps of half models run in fp32
+            norms = [self.model.norm]
+            for layer in self.model.layers:
+                norms += [layer.input_layernorm, layer.post_attention_layernorm]
+            for norm in norms:
+                norm.weight32 = norm.weight.float()
 
     def set_decode_kernel(self, kernel: DecodeKernel | None) -> None:
         """Use ``kernel`` for decode attention where it supports the cache (CPU)."""
