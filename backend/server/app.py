@@ -144,6 +144,20 @@ def _generation_route(kind: str) -> Handler:
     return api(handler)
 
 
+class _App(Starlette):
+    """Starlette, keeping the server's own ``send`` in ``scope["state"]["raw_send"]``.
+
+    Streamed body chunks go straight to it (see ``GenerationResponse``): every layer
+    Starlette puts around ``send`` (ServerErrorMiddleware's outermost) acts on the
+    response start only, and each costs a coroutine call per token otherwise.
+    """
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            scope.setdefault("state", {})["raw_send"] = send
+        await super().__call__(scope, receive, send)
+
+
 class _AsResponse(Response):
     """Lets a handler return a raw ASGI callable where Starlette wants a Response."""
 
@@ -244,7 +258,7 @@ def create_app(config: EngineConfig | None = None, settings: ServerSettings | No
         Route("/metrics", metrics, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]
-    app = Starlette(
+    app = _App(
         routes=routes,
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_exception, Exception: _unhandled},

@@ -43,7 +43,6 @@ class RequestContextMiddleware:
         request_id = wanted or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
         scope["state"]["client_request_id"] = wanted
-        scope["state"]["raw_send"] = send  # see GenerationResponse: body chunks use it
         service = getattr(self.app_state, "service", None)
         extra = [(b"x-request-id", request_id.encode())]
         if service is not None:

@@ -1,12 +1,13 @@
 """OpenAI response bodies, streamed (SSE chunks) and whole.
 
 Per-token chunks are the hot path: each is a precomputed byte prefix + the JSON-escaped text
-+ a precomputed suffix, so a token costs one ``json.dumps`` of a short string and a join.
++ a precomputed suffix, so a token costs one C call to escape a short string and a join.
 """
 
 from __future__ import annotations
 
 import json
+from json.encoder import encode_basestring
 from typing import Any
 
 from backend.engine.outputs import OutputDelta
@@ -15,6 +16,8 @@ from .service import Prepared
 
 DONE = b"data: [DONE]\n\n"
 dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+# What ``dumps`` does with a str (ensure_ascii=False), without its Python frame.
+quote = encode_basestring
 
 
 def usage(delta: OutputDelta) -> dict[str, Any]:
@@ -67,9 +70,9 @@ class ChunkEncoder:
 
     def text(self, text: str, delta: OutputDelta | None = None) -> bytes:
         if delta is not None and self.p.continuous_usage:
-            return (self._head + dumps(text).encode() + self._tail_open + b',"usage":'
+            return (self._head + quote(text).encode() + self._tail_open + b',"usage":'
                     + dumps(usage(delta)).encode() + b"}\n\n")
-        return self._head + dumps(text).encode() + self._tail
+        return self._head + quote(text).encode() + self._tail
 
     def final(self, delta: OutputDelta) -> bytes:
         """The last content chunk (with finish_reason), the usage chunk if asked, [DONE]."""
