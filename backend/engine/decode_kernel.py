@@ -257,7 +257,12 @@ void decode_attention_bf16(KERNEL_ARGS(uint16_t)) { DISPATCH(vector_bf16, scalar
 
 # -ffast-math lets the dot products vectorize (reassociation) and expf use the vector
 # math library; every value the kernel sees is finite (it never reads past a context).
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+# It is a compile flag only: linked with -ffast-math, a shared library carries a
+# constructor (crtfastmath.o) that turns on flush-to-zero for the whole process when it is
+# loaded, and every float computed afterwards, anywhere in the server, loses subnormals.
+_COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+_LINK_FLAGS = ("-shared", "-fopenmp")
+_FLAGS = (*_COMPILE_FLAGS, "|", *_LINK_FLAGS)  # the cache key
 _SYMBOLS = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
 
 
@@ -331,8 +336,11 @@ def load_decode_kernel(cache_dir: Path | None = None) -> DecodeKernel | None:
             with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
                 src = Path(tmp) / "decode_attention.c"
                 src.write_text(_SOURCE)
+                obj = Path(tmp) / "decode_attention.o"
                 built = Path(tmp) / "lib.so"
-                subprocess.run([compiler, *_FLAGS, str(src), "-o", str(built), "-lm"],
+                subprocess.run([compiler, *_COMPILE_FLAGS, "-c", str(src), "-o", str(obj)],
+                               check=True, capture_output=True, timeout=120)
+                subprocess.run([compiler, *_LINK_FLAGS, str(obj), "-o", str(built), "-lm"],
                                check=True, capture_output=True, timeout=120)
                 os.replace(built, lib_path)  # atomic: concurrent builders agree
         return DecodeKernel(ctypes.CDLL(str(lib_path)))

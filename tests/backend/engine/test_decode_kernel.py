@@ -85,3 +85,21 @@ def test_build_is_cached(tmp_path: Path) -> None:
     mtime = libs[0].stat().st_mtime_ns
     assert load_decode_kernel(tmp_path) is not None
     assert libs[0].stat().st_mtime_ns == mtime  # loaded, not rebuilt
+
+
+def test_loading_the_kernel_keeps_subnormal_floats(tmp_path: Path) -> None:
+    """-ffast-math at link time would add crtfastmath's constructor, which turns on
+    flush-to-zero / denormals-are-zero for the whole process when the library loads."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from pathlib import Path\n"
+            "from backend.engine.decode_kernel import load_decode_kernel\n"
+            f"k = load_decode_kernel(Path({str(tmp_path)!r}))\n"
+            "x = float(sys.argv[1])\n"
+            "print(k is not None, x / 4 != 0.0)\n")
+    out = subprocess.run([sys.executable, "-c", code, "5e-310"], check=True,
+                         capture_output=True, text=True, timeout=180).stdout.split()
+    if out[0] != "True":
+        pytest.skip("no C compiler: the engine falls back to torch ops")
+    assert out[1] == "True", "the kernel's library turned on flush-to-zero"
