@@ -1,14 +1,18 @@
 """The span shipper: OTLP encoding and export in a child process.
 
-Encoding a request's spans to protobuf costs more CPU than creating them (~40 µs of pure
-Python a request), and in the serving process every microsecond of it is taken from the
-event loop, GIL included, however it is threaded. So by default (``traces.export_process``)
-the serving process only ``marshal``s each finished span tree (C, ~4 µs) and writes it to
-the stdin of ``python -m telemetry.shipper_process``, which encodes, batches and sends it over
-OTLP/HTTP or gRPC on another core.
+Encoding a request's spans to protobuf in Python costs more CPU than creating them (~35 µs
+a request), and in the serving process every microsecond of it is taken from the event
+loop, GIL included, however it is threaded. So by default (``traces.export_process``)
+sending happens in ``python -m telemetry.shipper_process``, which batches and sends over
+OTLP/HTTP or gRPC on another core. What the serving process hands it depends on the
+encoder: with the C one (``telemetry/_otlp.c``, ~6 µs a request, about what ``marshal``ing
+the span tree costs) it encodes the spans itself and the shipper only frames and sends
+them; with the pure-Python one it ``marshal``s the span tree and the shipper encodes.
 
 Protocol, parent → shipper on stdin: one JSON line (the settings), then frames of
-``<u32 little-endian length><marshal'd record>``; a zero-length frame asks for a flush.
+``<u32 little-endian length><marshal'd item>``, where an item is either a span tree
+record (``otlp.to_record``, 17 fields) or an encoded one, ``(scope, bytes, span count)``
+(``Encoder.prepare_record``); a zero-length frame asks for a flush.
 Shipper → parent on stdout, one line per event: ``ok N`` (N spans delivered),
 ``fail N`` (N spans lost; the reason is logged on stderr, which is the parent's),
 ``flushed``. End of stdin (the parent closed it, or died) makes the shipper send what it
@@ -31,7 +35,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .otlp import to_record
+from . import otlp
+from .otlp import Encoder, to_record
 from .tracing import Span
 
 log = logging.getLogger("sluice.telemetry")
@@ -49,6 +54,8 @@ class ShipperTransport:
 
     def __init__(self, settings: Mapping[str, Any]) -> None:
         self._settings = json.dumps(dict(settings)).encode() + b"\n"
+        # spans are encoded here when the encoder is C (see the module docstring)
+        self._encoder = Encoder({}) if otlp.NATIVE else None
         self.exported = 0
         self.failed = 0
         self._flushes = 0
@@ -93,7 +100,11 @@ class ShipperTransport:
                     self._flushed.notify_all()
 
     def prepare(self, span: Span) -> bytes:
-        data = marshal.dumps(to_record(span), 2)  # version 2: no ref table, ~10 % faster
+        record = to_record(span)
+        if self._encoder is not None:  # the C encoder: as cheap as marshalling the tree
+            data = marshal.dumps(self._encoder.prepare_record(record), 2)
+        else:
+            data = marshal.dumps(record, 2)  # version 2: no ref table, ~10 % faster
         return _LEN.pack(len(data)) + data
 
     def send(self, items: Sequence[bytes]) -> None:

@@ -90,7 +90,11 @@ def main() -> int:
                 out.flush()
                 continue
             try:
-                item = encoder.prepare_record(marshal.loads(frame))
+                item = marshal.loads(frame)
+                if len(item) != 3:  # a span tree record, to encode here
+                    item = encoder.prepare_record(item)
+                elif not (isinstance(item[1], bytes) and isinstance(item[2], int)):
+                    raise ValueError("a pre-encoded item is (scope, bytes, span count)")
             except Exception:  # one bad record must not stop the rest
                 log.warning("a span record could not be encoded", exc_info=True)
                 out.write("fail 1\n")

@@ -56,8 +56,20 @@ def test_a_record_encodes_exactly_like_the_span() -> None:
     assert Encoder(RESOURCE).prepare_record(record) == enc.prepare(span)
 
 
-def test_spans_cross_to_the_collector_and_are_counted(rx: OtlpReceiver) -> None:
+@pytest.mark.parametrize("native", [True, False], ids=["c-encoded-here", "record-to-shipper"])
+def test_spans_cross_to_the_collector_and_are_counted(rx: OtlpReceiver, native: bool,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import marshal
+
+    from telemetry import otlp
+
+    if native and otlp._native is None:
+        pytest.skip("telemetry._otlp was not built")
+    monkeypatch.setattr(otlp, "NATIVE", native)
     t = ShipperTransport(settings(rx))
+    # what crosses the pipe: the encoded spans with the C encoder, else the span tree
+    frame = marshal.loads(t.prepare(finished_tree())[4:])
+    assert len(frame) == (3 if native else 17)
     try:
         t.send([t.prepare(finished_tree()) for _ in range(3)])
         assert t.flush(10)
