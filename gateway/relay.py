@@ -258,7 +258,7 @@ class Exchange:
             "server.address": p.upstream.name, "url.path": path,
             "sluice.upstream.member": member.url, "sluice.attempt": self.attempt.number,
             "sluice.breaker.state": member.breaker.state,
-            "sluice.breaker.probe": self.attempt.grant.probe})
+            "sluice.breaker.probe": self.attempt.grant.probe}) if trace.recording else None
         headers = [(b"content-type", b"application/json"),
                    (b"x-request-id", p.request_id.encode())] + trace.upstream_headers(span)
         if member.kind == "sluice":  # our own backend labels its metrics and spans by it
@@ -276,15 +276,18 @@ class Exchange:
             failed = err.code or type(err).__name__
             raise
         finally:
-            before = member.breaker.state
-            self.attempt.done(verdict)  # judged here, so that a transition is on this span
-            attrs: dict[str, Any] = {"http.response.status_code": self.upstream_status}
-            if failed is not None:
-                attrs["error.type"] = failed
-            after = member.breaker.state
-            if after != before:
-                attrs["sluice.breaker.transition"] = f"{before}->{after}"
-            trace.end(span, **attrs)
+            if span is None:  # not traced
+                self.attempt.done(verdict)
+            else:
+                before = member.breaker.state
+                self.attempt.done(verdict)  # judged here: a transition is on this span
+                attrs: dict[str, Any] = {"http.response.status_code": self.upstream_status}
+                if failed is not None:
+                    attrs["error.type"] = failed
+                after = member.breaker.state
+                if after != before:
+                    attrs["sluice.breaker.transition"] = f"{before}->{after}"
+                trace.end(span, **attrs)
 
     async def _exchange_upstream(self, p: Prepared, member: Member, path: str,
                                  headers: list[tuple[bytes, bytes]]) -> None:
