@@ -306,8 +306,7 @@ async def closed_loop(pool: Pool, concurrency: int, seconds: float,
     try:
         for _ in range(concurrency):
             pool.send(Sample(due=start))
-        await asyncio.sleep(max(0.0, stop_at - clock()))
-        pool.refill = None
+        await asyncio.sleep(max(0.0, stop_at - clock()))  # refill sends nothing after
         await pool.drain(REQUEST_TIMEOUT_S)
     finally:
         pool.refill = None
