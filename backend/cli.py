@@ -39,8 +39,8 @@ def _add_server_flags(p: argparse.ArgumentParser, *, model_default: str | None) 
                    help="context length cap (default: the model's)")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable the prefix cache")
     p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="CPU threads for the model's math (default: one per core); use 1 "
-                        "when other busy processes share the cores")
+                   help="CPU threads for the model's math (default: one per core but one, "
+                        "which is left to the HTTP server's event loop; at least 1)")
     p.add_argument("--seed", type=int, default=0, help="seed for unseeded sampled requests")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="largest request body accepted (default 4 MiB; larger gets 413)")
@@ -82,7 +82,7 @@ def _backend(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache,
             seed=args.seed, served_model_name=args.served_model_name,
-            num_threads=args.threads)
+            num_threads=args.threads, reserve_cores=1)
         engine = AsyncEngine.from_config(config)
     except (EngineError, OSError) as exc:
         telemetry.shutdown()

@@ -32,6 +32,23 @@ def test_backend_refuses_a_bad_thread_count(capsys) -> None:
     assert "num_threads must be >= 1" in capsys.readouterr().err
 
 
+def test_backend_leaves_a_core_to_its_event_loop(monkeypatch, capsys) -> None:
+    from backend.engine.async_engine import AsyncEngine
+    from backend.engine.errors import EngineError
+
+    seen = []
+
+    def capture(config):
+        seen.append(config)
+        raise EngineError("stop here")
+
+    monkeypatch.setattr(AsyncEngine, "from_config", staticmethod(capture))
+    assert main(["backend", "--model", "tiny"]) == 2
+    assert main(["backend", "--model", "tiny", "--threads", "2"]) == 2
+    assert [(c.reserve_cores, c.num_threads) for c in seen] == [(1, None), (1, 2)]
+    assert "stop here" in capsys.readouterr().err
+
+
 def test_up_applies_sluice_overrides_and_refuses_a_bad_one(monkeypatch) -> None:
     import argparse
 

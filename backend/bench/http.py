@@ -60,8 +60,49 @@ async def _closed_loop(jobs: list[Job], concurrency: int, one: Any) -> tuple[int
     return total, time.perf_counter() - t0
 
 
-class DirectSide:
-    """The workload on an in-process AsyncEngine."""
+class LoopSide:
+    """The workload on the engine driven directly: ``LLMEngine.step()`` in a plain loop on
+    one thread, no asyncio and no hand-off between threads: the engine's own ceiling."""
+
+    def __init__(self) -> None:
+        from backend.engine.builder import build_engine
+        from backend.engine.config import EngineConfig
+
+        self.core = build_engine(EngineConfig(model="tiny")).core
+        self._ids = iter(range(10**9))
+
+    def run(self, jobs: list[Job], concurrency: int) -> tuple[int, float]:
+        """Closed loop, as the HTTP side's clients: a job starts when another ends."""
+        from backend.engine.sampling import SamplingParams
+
+        core = self.core
+        pending = list(reversed(jobs))
+
+        def start() -> None:
+            job = pending.pop()
+            params = SamplingParams(max_tokens=job.max_tokens, temperature=0.0,
+                                    ignore_eos=True)
+            core.add_request(f"d{next(self._ids)}", job.prompt, params)
+
+        total = active = 0
+        t0 = time.perf_counter()
+        while pending and active < concurrency:
+            start()
+            active += 1
+        while active:
+            for delta in core.step():
+                if delta.finished:
+                    total += delta.num_output_tokens
+                    active -= 1
+                    if pending:
+                        start()
+                        active += 1
+        return total, time.perf_counter() - t0
+
+
+class AsyncSide:
+    """The workload through the engine's asyncio API (``AsyncEngine``), in process: what
+    the server drives, without HTTP."""
 
     async def __aenter__(self) -> Self:
         from backend.engine.async_engine import AsyncEngine
@@ -246,32 +287,68 @@ async def _wait_ready(client: Any, proc: subprocess.Popen[bytes]) -> None:
 
 
 async def run_http_bench(quick: bool) -> dict[str, float]:
-    """Tokens/s of the workload on each side and their ratio.
+    """Tokens/s of the workload on each side and their ratios.
 
-    The sides alternate for several rounds and each keeps its best round, so that noise
-    from other processes on the machine hits both alike.
+    Three sides: the engine's step loop alone (``LoopSide``, its ceiling), the engine's
+    asyncio API in process (``AsyncSide``: "the engine driven directly", what the server
+    drives) and the HTTP server. They alternate for several rounds and each keeps its best
+    round, so that noise from other processes on the machine hits all alike.
+
+    The server runs as shipped: on the CPU its engine leaves one core to the event loop
+    (``--threads`` defaults to the cores but one). The in-process sides are given their
+    best: each runs with torch's default thread count and with the server's, and the ratios
+    divide by the faster of the two.
     """
+    import torch
+
+    from backend.engine.builder import cpu_threads
+    from backend.engine.config import EngineConfig
+
     n, concurrency, rounds = (48, 16, 2) if quick else (128, 24, 3)
     jobs = make_workload(n)
     warmup = make_workload(concurrency, seed=99)
-    best = {"direct": 0.0, "http": 0.0}
+    default_threads = torch.get_num_threads()
+    server_threads = cpu_threads(EngineConfig(reserve_cores=1), torch.device("cpu"))
+    thread_counts = sorted({default_threads, server_threads or default_threads})
+    names = [f"{side}@{t}" for side in ("loop", "async") for t in thread_counts] + ["http"]
+    best = dict.fromkeys(names, 0.0)
     tokens: set[int] = set()
-    async with DirectSide() as direct, HttpSide(concurrency) as http:
-        sides: dict[str, DirectSide | HttpSide] = {"direct": direct, "http": http}
-        for side in sides.values():
+    loop_side = LoopSide()
+    async with AsyncSide() as async_side, HttpSide(concurrency) as http:
+        loop_side.run(warmup, concurrency)
+        for side in (async_side, http):
             await _closed_loop(warmup, concurrency, side.one)
         for _ in range(rounds):
-            for name, side in sides.items():
-                count, seconds = await _closed_loop(jobs, concurrency, side.one)
+            for name in names:
+                kind, _, threads = name.partition("@")
+                if threads:
+                    torch.set_num_threads(int(threads))
+                if kind == "loop":  # blocks the event loop, which has nothing else to do
+                    count, seconds = loop_side.run(jobs, concurrency)
+                else:
+                    side = http if kind == "http" else async_side
+                    count, seconds = await _closed_loop(jobs, concurrency, side.one)
                 tokens.add(count)
                 best[name] = max(best[name], count / seconds)
+    torch.set_num_threads(default_threads)
     if len(tokens) != 1:
         raise RuntimeError(f"the sides generated different token counts: {sorted(tokens)}")
-    return {
-        "direct_tokens_per_s": round(best["direct"], 1),
+    direct = max(best[f"async@{t}"] for t in thread_counts)
+    loop = max(best[f"loop@{t}"] for t in thread_counts)
+    result = {
+        "direct_tokens_per_s": round(direct, 1),
         "http_tokens_per_s": round(best["http"], 1),
-        "http_over_direct_tokens_per_s": round(best["http"] / best["direct"], 3),
+        "http_over_direct_tokens_per_s": round(best["http"] / direct, 3),
+        "engine_loop_tokens_per_s": round(loop, 1),
+        "http_over_engine_loop_tokens_per_s": round(best["http"] / loop, 3),
+        "direct_over_engine_loop_tokens_per_s": round(direct / loop, 3),
+        "http_server_cpu_threads": float(server_threads or default_threads),
     }
+    for name in names[:-1]:
+        kind, _, threads = name.partition("@")
+        label = "direct" if kind == "async" else "engine_loop"
+        result[f"{label}_tokens_per_s_{threads}_threads"] = round(best[name], 1)
+    return result
 
 
 def run_loop_factory() -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +62,24 @@ def resolve_device(name: str) -> torch.device:
         raise InvalidRequestError(f"unknown device {name!r}", "device") from exc
 
 
+def cpu_threads(config: EngineConfig, device: torch.device) -> int | None:
+    """The intra-op thread count to set, or None to keep torch's.
+
+    An explicit ``num_threads`` wins, then ``OMP_NUM_THREADS``. Otherwise on CPU,
+    ``reserve_cores`` cores are left to the serving process: one thread per core this
+    process may run on, minus the reserve, at least one.
+    """
+    if config.num_threads is not None:
+        return config.num_threads
+    if device.type != "cpu" or config.reserve_cores == 0 or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores - config.reserve_cores)
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -82,9 +101,10 @@ def resolve_model_path(config: EngineConfig) -> tuple[Path, str]:
 def build_engine(config: EngineConfig) -> EngineParts:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    if config.num_threads is not None:
+    threads = cpu_threads(config, device)
+    if threads is not None:
         # Process-wide: the engine owns its process's CPU math (server, bench).
-        torch.set_num_threads(config.num_threads)
+        torch.set_num_threads(threads)
     path, name = resolve_model_path(config)
     loaded = load_model(path, dtype, device)
     mcfg = loaded.config
@@ -139,7 +159,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
         seed=config.seed,
     )
     log.info("engine ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens "
-             "max_model_len=%d", name, device, dtype, num_blocks, bs, max_model_len)
+             "max_model_len=%d cpu_threads=%d", name, device, dtype, num_blocks, bs,
+             max_model_len, torch.get_num_threads())
     return EngineParts(core=core, runner=runner, model_config=mcfg, tokenizer=tokenizer,
                        versions=versions, model_name=name, model_path=path, device=device,
                        dtype=dtype, num_blocks=num_blocks, kv_bytes_per_block=per_block)

@@ -24,6 +24,10 @@ class EngineConfig:
     cache_dir: str | None = None  # where "tiny" is built; default ~/.cache/sluice
     static_batching: bool = False  # benchmark baseline: form a batch, run it to completion
     num_threads: int | None = None  # CPU: torch intra-op threads (None: torch's default)
+    # CPU, when num_threads is None: cores left out of the model's math for the rest of the
+    # process (the HTTP server's event loop), so that its thread pool does not oversubscribe
+    # them. Never below one thread.
+    reserve_cores: int = 0
     decode_kernel: bool = True  # CPU: compile and use the C decode-attention kernel
     served_model_name: str | None = None
 
@@ -45,5 +49,7 @@ class EngineConfig:
             raise InvalidRequestError("max_model_len must be >= 2", "max_model_len")
         if self.num_threads is not None and self.num_threads < 1:
             raise InvalidRequestError("num_threads must be >= 1", "num_threads")
+        if self.reserve_cores < 0:
+            raise InvalidRequestError("reserve_cores must be >= 0", "reserve_cores")
         if self.aging_s <= 0:
             raise InvalidRequestError("aging_s must be > 0", "aging_s")

@@ -175,3 +175,28 @@ def test_num_threads_sets_torch_threads(tiny_cache_dir):
         torch.set_num_threads(before)
     with pytest.raises(InvalidRequestError):
         EngineConfig(num_threads=0)
+
+
+def test_reserve_cores_leaves_cores_to_the_server(monkeypatch):
+    import os
+
+    import torch
+
+    from backend.engine.builder import cpu_threads
+    from backend.engine.errors import InvalidRequestError
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert cpu_threads(EngineConfig(reserve_cores=1), cpu) == 7
+    assert cpu_threads(EngineConfig(reserve_cores=3), cpu) == 5
+    assert cpu_threads(EngineConfig(), cpu) is None  # torch's default
+    assert cpu_threads(EngineConfig(reserve_cores=1), cuda) is None
+    assert cpu_threads(EngineConfig(num_threads=4, reserve_cores=1), cpu) == 4  # explicit wins
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert cpu_threads(EngineConfig(reserve_cores=1), cpu) == 1  # never below one
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert cpu_threads(EngineConfig(reserve_cores=1), cpu) is None  # the operator chose
+    with pytest.raises(InvalidRequestError):
+        EngineConfig(reserve_cores=-1)
