@@ -41,6 +41,9 @@ def _add_server_flags(p: argparse.ArgumentParser, *, model_default: str | None) 
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU threads for the model's math (default: one per core but one, "
                         "which is left to the HTTP server's event loop; at least 1)")
+    p.add_argument("--engine-in-process", action="store_true",
+                   help="step the model on a thread of the server's process instead of in "
+                        "an engine process of its own (the default)")
     p.add_argument("--seed", type=int, default=0, help="seed for unseeded sampled requests")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="largest request body accepted (default 4 MiB; larger gets 413)")
@@ -59,6 +62,7 @@ def _backend(args: argparse.Namespace) -> int:
 
     from backend.engine.async_engine import AsyncEngine
     from backend.engine.config import EngineConfig
+    from backend.engine.core_process import EngineClient
     from backend.engine.errors import EngineError
     from backend.server.app import ServerSettings
     from backend.server.serve import serve
@@ -83,7 +87,10 @@ def _backend(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache,
             seed=args.seed, served_model_name=args.served_model_name,
             num_threads=args.threads, reserve_cores=1)
-        engine = AsyncEngine.from_config(config)
+        if args.engine_in_process:
+            engine = AsyncEngine.from_config(config)
+        else:
+            engine = EngineClient.from_config(config)
     except (EngineError, OSError) as exc:
         telemetry.shutdown()
         print(f"sluice backend: cannot start: {exc}", file=sys.stderr)

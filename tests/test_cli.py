@@ -34,18 +34,22 @@ def test_backend_refuses_a_bad_thread_count(capsys) -> None:
 
 def test_backend_leaves_a_core_to_its_event_loop(monkeypatch, capsys) -> None:
     from backend.engine.async_engine import AsyncEngine
+    from backend.engine.core_process import EngineClient
     from backend.engine.errors import EngineError
 
     seen = []
 
-    def capture(config):
-        seen.append(config)
-        raise EngineError("stop here")
+    def capture(kind):
+        def from_config(config):
+            seen.append((kind, config.reserve_cores, config.num_threads))
+            raise EngineError("stop here")
+        return staticmethod(from_config)
 
-    monkeypatch.setattr(AsyncEngine, "from_config", staticmethod(capture))
+    monkeypatch.setattr(AsyncEngine, "from_config", capture("thread"))
+    monkeypatch.setattr(EngineClient, "from_config", capture("process"))
     assert main(["backend", "--model", "tiny"]) == 2
-    assert main(["backend", "--model", "tiny", "--threads", "2"]) == 2
-    assert [(c.reserve_cores, c.num_threads) for c in seen] == [(1, None), (1, 2)]
+    assert main(["backend", "--model", "tiny", "--threads", "2", "--engine-in-process"]) == 2
+    assert seen == [("process", 1, None), ("thread", 1, 2)]
     assert "stop here" in capsys.readouterr().err
 
 

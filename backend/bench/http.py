@@ -1,11 +1,11 @@
 """`--http` benchmark: one mixed streaming workload driven on the engine directly and
 through the HTTP server (a real `sluice backend` subprocess), side by side in one run.
 
-Reports ``http_over_direct_tokens_per_s``: output tokens/s through HTTP over tokens/s
-driven directly. The workload is closed-loop (a fixed number of concurrent clients, each
-sending its next request when the previous one ends), with mixed prompt and output
-lengths, a shared prefix for part of the requests, greedy decoding and ignore_eos, so both
-sides generate exactly the same tokens.
+Reports ``http_over_direct_tokens_per_s``: output tokens/s through HTTP over tokens/s of
+the engine's step loop driven directly. The workload is closed-loop (a fixed number of
+concurrent clients, each sending its next request when the previous one ends), with mixed
+prompt and output lengths, a shared prefix for part of the requests, greedy decoding and
+ignore_eos, so all sides generate exactly the same tokens.
 """
 
 from __future__ import annotations
@@ -100,34 +100,6 @@ class LoopSide:
         return total, time.perf_counter() - t0
 
 
-class AsyncSide:
-    """The workload through the engine's asyncio API (``AsyncEngine``), in process: what
-    the server drives, without HTTP."""
-
-    async def __aenter__(self) -> Self:
-        from backend.engine.async_engine import AsyncEngine
-        from backend.engine.config import EngineConfig
-
-        self.engine = await asyncio.to_thread(AsyncEngine.from_config,
-                                              EngineConfig(model="tiny"))
-        await self.engine.start()
-        self._ids = iter(range(10**9))
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.engine.shutdown()
-
-    async def one(self, job: Job) -> int:
-        from backend.engine.sampling import SamplingParams
-
-        params = SamplingParams(max_tokens=job.max_tokens, temperature=0.0, ignore_eos=True)
-        stream = await self.engine.generate(f"d{next(self._ids)}", job.prompt, params)
-        n = 0
-        async for delta in stream:
-            n = delta.num_output_tokens
-        return n
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -206,8 +178,9 @@ class _Connection(asyncio.Protocol):
 class HttpSide:
     """The workload through a `sluice backend --model tiny` subprocess, streamed over SSE."""
 
-    def __init__(self, concurrency: int) -> None:
+    def __init__(self, concurrency: int, *server_flags: str) -> None:
         self.concurrency = concurrency
+        self.server_flags = server_flags
         self.idle: list[_Connection] = []
 
     async def __aenter__(self) -> Self:
@@ -216,7 +189,7 @@ class HttpSide:
         self.port = _free_port()
         self.proc = subprocess.Popen(  # noqa: ASYNC220 - once per run, before measuring
             [sys.executable, "-m", "sluice.cli", "backend", "--model", "tiny",
-             "--port", str(self.port), "--log-level", "warning"],
+             "--port", str(self.port), "--log-level", "warning", *self.server_flags],
             cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
         try:
@@ -289,15 +262,16 @@ async def _wait_ready(client: Any, proc: subprocess.Popen[bytes]) -> None:
 async def run_http_bench(quick: bool) -> dict[str, float]:
     """Tokens/s of the workload on each side and their ratios.
 
-    Three sides: the engine's step loop alone (``LoopSide``, its ceiling), the engine's
-    asyncio API in process (``AsyncSide``: "the engine driven directly", what the server
-    drives) and the HTTP server. They alternate for several rounds and each keeps its best
-    round, so that noise from other processes on the machine hits all alike.
+    Sides: the engine driven directly (``LoopSide``: ``LLMEngine.step()`` in a bare loop,
+    the engine's ceiling), the HTTP server as shipped (its engine in a process of its own),
+    and the HTTP server with ``--engine-in-process`` (the step loop on a thread of the
+    server's process). They alternate for several rounds and each keeps its best round, so
+    that noise from other processes on the machine hits all alike.
 
-    The server runs as shipped: on the CPU its engine leaves one core to the event loop
-    (``--threads`` defaults to the cores but one). The in-process sides are given their
-    best: each runs with torch's default thread count and with the server's, and the ratios
-    divide by the faster of the two.
+    The servers run with their default thread count: on the CPU the engine leaves one core
+    to the server (``--threads`` defaults to the cores but one). The direct side is given
+    its best: it runs with torch's default thread count and with the servers', and the
+    ratios divide by the faster of the two.
     """
     import torch
 
@@ -310,44 +284,41 @@ async def run_http_bench(quick: bool) -> dict[str, float]:
     default_threads = torch.get_num_threads()
     server_threads = cpu_threads(EngineConfig(reserve_cores=1), torch.device("cpu"))
     thread_counts = sorted({default_threads, server_threads or default_threads})
-    names = [f"{side}@{t}" for side in ("loop", "async") for t in thread_counts] + ["http"]
+    names = [f"direct@{t}" for t in thread_counts] + ["http", "http_in_process"]
     best = dict.fromkeys(names, 0.0)
     tokens: set[int] = set()
-    loop_side = LoopSide()
-    async with AsyncSide() as async_side, HttpSide(concurrency) as http:
-        loop_side.run(warmup, concurrency)
-        for side in (async_side, http):
-            await _closed_loop(warmup, concurrency, side.one)
+    direct = LoopSide()
+    async with (HttpSide(concurrency) as http,
+                HttpSide(concurrency, "--engine-in-process") as in_process):
+        servers = {"http": http, "http_in_process": in_process}
+        direct.run(warmup, concurrency)
+        for server in servers.values():
+            await _closed_loop(warmup, concurrency, server.one)
         for _ in range(rounds):
             for name in names:
-                kind, _, threads = name.partition("@")
-                if threads:
-                    torch.set_num_threads(int(threads))
-                if kind == "loop":  # blocks the event loop, which has nothing else to do
-                    count, seconds = loop_side.run(jobs, concurrency)
-                else:
-                    side = http if kind == "http" else async_side
-                    count, seconds = await _closed_loop(jobs, concurrency, side.one)
+                if name in servers:
+                    count, seconds = await _closed_loop(jobs, concurrency, servers[name].one)
+                else:  # blocks the event loop, which has nothing else to do meanwhile
+                    torch.set_num_threads(int(name.split("@")[1]))
+                    count, seconds = direct.run(jobs, concurrency)
                 tokens.add(count)
                 best[name] = max(best[name], count / seconds)
     torch.set_num_threads(default_threads)
     if len(tokens) != 1:
         raise RuntimeError(f"the sides generated different token counts: {sorted(tokens)}")
-    direct = max(best[f"async@{t}"] for t in thread_counts)
-    loop = max(best[f"loop@{t}"] for t in thread_counts)
+    loop = max(best[f"direct@{t}"] for t in thread_counts)
     result = {
-        "direct_tokens_per_s": round(direct, 1),
+        "direct_tokens_per_s": round(loop, 1),
         "http_tokens_per_s": round(best["http"], 1),
-        "http_over_direct_tokens_per_s": round(best["http"] / direct, 3),
-        "engine_loop_tokens_per_s": round(loop, 1),
-        "http_over_engine_loop_tokens_per_s": round(best["http"] / loop, 3),
-        "direct_over_engine_loop_tokens_per_s": round(direct / loop, 3),
+        "http_over_direct_tokens_per_s": round(best["http"] / loop, 3),
+        "http_in_process_tokens_per_s": round(best["http_in_process"], 1),
+        "http_in_process_over_direct_tokens_per_s": round(best["http_in_process"] / loop, 3),
+        "http_over_http_in_process_tokens_per_s": round(
+            best["http"] / best["http_in_process"], 3),
         "http_server_cpu_threads": float(server_threads or default_threads),
     }
-    for name in names[:-1]:
-        kind, _, threads = name.partition("@")
-        label = "direct" if kind == "async" else "engine_loop"
-        result[f"{label}_tokens_per_s_{threads}_threads"] = round(best[name], 1)
+    for t in thread_counts:
+        result[f"direct_tokens_per_s_{t}_threads"] = round(best[f"direct@{t}"], 1)
     return result
 
 

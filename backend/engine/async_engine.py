@@ -113,7 +113,7 @@ class AsyncEngine:
         before anything is queued."""
         if self._dead is not None:
             raise EngineDeadError("engine step loop has failed") from self._dead
-        if self._thread is None or self._loop is None:
+        if not self._accepting():
             raise EngineDeadError("engine is not started")
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already running",
@@ -126,6 +126,9 @@ class AsyncEngine:
         self._submit(_Add(request_id, list(prompt_token_ids), params, priority, cache_salt,
                           self.core.clock()))
         return RequestStream(self, request_id, queue)
+
+    def _accepting(self) -> bool:
+        return self._thread is not None and self._loop is not None
 
     def _release(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

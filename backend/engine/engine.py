@@ -6,6 +6,7 @@ thread-safe on purpose: requests and aborts reach it between steps.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +42,30 @@ class _RequestState:
     generator: torch.Generator | None
     abort_mark: int | None = None  # output tokens when abort() was called
     abort_time: float | None = None  # engine clock when abort() was called
+
+
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
+                     max_model_len: int) -> None:
+    """Raise ``InvalidRequestError`` for a request that an engine with this vocabulary and
+    context length can never serve (reads nothing else: safe from any thread or process)."""
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError("params must be SamplingParams", "params")
+    if not isinstance(prompt_token_ids, list) or not prompt_token_ids:
+        raise InvalidRequestError("prompt must have at least one token", "prompt")
+    for t in prompt_token_ids:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            raise InvalidRequestError(
+                f"prompt token {t!r} is not an id in [0, {vocab_size})", "prompt")
+    n = len(prompt_token_ids)
+    if n >= max_model_len:
+        raise PromptTooLongError(
+            f"prompt has {n} tokens; this model serves at most {max_model_len} "
+            f"tokens in all, so the prompt must be shorter than that", "prompt")
+    if n + params.max_tokens > max_model_len:
+        raise PromptTooLongError(
+            f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
+            f"{n + params.max_tokens} exceeds the maximum context length "
+            f"{max_model_len}", "max_tokens")
 
 
 class LLMEngine:
@@ -92,24 +117,7 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ``InvalidRequestError`` for a request that can never be served."""
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("params must be SamplingParams", "params")
-        if not isinstance(prompt_token_ids, list) or not prompt_token_ids:
-            raise InvalidRequestError("prompt must have at least one token", "prompt")
-        for t in prompt_token_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise InvalidRequestError(
-                    f"prompt token {t!r} is not an id in [0, {self.vocab_size})", "prompt")
-        n = len(prompt_token_ids)
-        if n >= self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt has {n} tokens; this model serves at most {self.max_model_len} "
-                f"tokens in all, so the prompt must be shorter than that", "prompt")
-        if n + params.max_tokens > self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
-                f"{n + params.max_tokens} exceeds the maximum context length "
-                f"{self.max_model_len}", "max_tokens")
+        validate_request(prompt_token_ids, params, self.vocab_size, self.max_model_len)
 
     def add_request(
         self,
@@ -154,13 +162,17 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def mark_abort(self, request_id: str) -> None:
-        """Note how far a request had got when its abort was asked for (any thread)."""
+    def mark_abort(self, request_id: str, *, at: float | None = None) -> None:
+        """Note how far a request had got when its abort was asked for (any thread).
+        ``at``: when it was asked, on this engine's clock, by an asker in another process
+        whose message arrives later: the mark counts the tokens made until then."""
         state = self._requests.get(request_id)
         seq = self.scheduler.get(request_id)
         if state is not None and seq is not None and state.abort_mark is None:
-            state.abort_mark = seq.num_output_tokens
-            state.abort_time = self.clock()
+            if at is None:
+                state.abort_mark, state.abort_time = seq.num_output_tokens, self.clock()
+            else:
+                state.abort_mark, state.abort_time = bisect.bisect_right(seq.token_times, at), at
 
     def abort(self, request_id: str) -> OutputDelta | None:
         """Abort from any state; frees the blocks now. Unknown/finished ids: no-op."""

@@ -4,6 +4,7 @@ static batching, the asyncio front. The real model is covered in test_engine_mod
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -207,7 +208,15 @@ async def test_async_engine_stream_and_cancel():
         assert got[-1].metrics is not None and got[-1].metrics.ttft is not None
         with pytest.raises(InvalidRequestError):
             await aeng.generate("bad", [1] * 100, SamplingParams(max_tokens=1))
-        # A consumer that leaves early aborts the request and frees its blocks.
+        # A consumer that leaves early aborts the request and frees its blocks. Steps are
+        # slowed to 5 ms, so that the 50 tokens take longer than the abort takes to land.
+        execute = eng.runner.execute
+
+        def slow_execute(chunks):
+            time.sleep(0.005)
+            return execute(chunks)
+
+        eng.runner.execute = slow_execute
         stream = await aeng.generate("gone", [3], SamplingParams(max_tokens=50, temperature=0,
                                                                   ignore_eos=True))
         async for _ in stream:
