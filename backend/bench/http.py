@@ -2,7 +2,8 @@
 through the HTTP server (a real `sluice backend` subprocess), side by side in one run.
 
 Reports ``http_over_direct_tokens_per_s``: output tokens/s through HTTP over tokens/s of
-the engine's step loop driven directly. The workload is closed-loop (a fixed number of
+the engine driven directly through its Python API, and the same against the engine's bare
+step loop (``http_over_engine_loop_tokens_per_s``). The workload is closed-loop (a fixed number of
 concurrent clients, each sending its next request when the previous one ends), with mixed
 prompt and output lengths, a shared prefix for part of the requests, greedy decoding and
 ignore_eos, so all sides generate exactly the same tokens.
@@ -98,6 +99,35 @@ class LoopSide:
                         start()
                         active += 1
         return total, time.perf_counter() - t0
+
+
+class ApiSide:
+    """The workload through the engine's Python API, no HTTP: an ``EngineClient`` (the
+    engine in a process of its own, set up as ``sluice backend`` sets it up) driven by
+    asyncio tasks in this process."""
+
+    async def __aenter__(self) -> Self:
+        from backend.engine.config import EngineConfig
+        from backend.engine.core_process import EngineClient
+
+        self.engine = await asyncio.to_thread(
+            EngineClient.from_config, EngineConfig(model="tiny", reserve_cores=1))
+        await self.engine.start()
+        self._ids = iter(range(10**9))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.engine.shutdown()
+
+    async def one(self, job: Job) -> int:
+        from backend.engine.sampling import SamplingParams
+
+        params = SamplingParams(max_tokens=job.max_tokens, temperature=0.0, ignore_eos=True)
+        stream = await self.engine.generate(f"a{next(self._ids)}", job.prompt, params)
+        n = 0
+        async for delta in stream:
+            n = delta.num_output_tokens
+        return n
 
 
 def _free_port() -> int:
@@ -262,63 +292,83 @@ async def _wait_ready(client: Any, proc: subprocess.Popen[bytes]) -> None:
 async def run_http_bench(quick: bool) -> dict[str, float]:
     """Tokens/s of the workload on each side and their ratios.
 
-    Sides: the engine driven directly (``LoopSide``: ``LLMEngine.step()`` in a bare loop,
-    the engine's ceiling), the HTTP server as shipped (its engine in a process of its own),
-    and the HTTP server with ``--engine-in-process`` (the step loop on a thread of the
-    server's process). They alternate for several rounds and each keeps its best round, so
-    that noise from other processes on the machine hits all alike.
+    Sides:
+    - ``engine_loop``: ``LLMEngine.step()`` in a bare loop in this process, the engine's
+      ceiling (no asyncio, no process boundary, no HTTP);
+    - ``direct``: the engine driven directly through its Python API, an ``EngineClient``
+      set up as the server sets it up (engine process, one core left to the caller), driven
+      by asyncio tasks: the server minus HTTP;
+    - ``http``: the server as shipped, over SSE;
+    - ``http_in_process``: the server with ``--engine-in-process`` (the step loop on a
+      thread of the server's process, the layout before the engine process).
 
-    The servers run with their default thread count: on the CPU the engine leaves one core
-    to the server (``--threads`` defaults to the cores but one). The direct side is given
-    its best: it runs with torch's default thread count and with the servers', and the
-    ratios divide by the faster of the two.
+    ``http_over_direct_tokens_per_s`` is the cost of HTTP; ``http_over_engine_loop`` is the
+    cost of the whole serving path (engine API, process hop, HTTP) against the engine's
+    bare loop. Each round runs every side once, in a rotating order, and each ratio is the
+    median over rounds of that round's ratio: a pair is seconds apart, so drifts in the
+    machine's speed (large on a shared two-core VM) cancel in each pair. The bare loop gets
+    its best thread count: before the rounds it runs with torch's default and with the
+    server's, and keeps the faster.
     """
+    import statistics
+
     import torch
 
     from backend.engine.builder import cpu_threads
     from backend.engine.config import EngineConfig
 
-    n, concurrency, rounds = (48, 16, 2) if quick else (128, 24, 3)
+    n, concurrency, rounds = (48, 16, 3) if quick else (128, 24, 8)
     jobs = make_workload(n)
     warmup = make_workload(concurrency, seed=99)
     default_threads = torch.get_num_threads()
     server_threads = cpu_threads(EngineConfig(reserve_cores=1), torch.device("cpu"))
     thread_counts = sorted({default_threads, server_threads or default_threads})
-    names = [f"direct@{t}" for t in thread_counts] + ["http", "http_in_process"]
-    best = dict.fromkeys(names, 0.0)
     tokens: set[int] = set()
-    direct = LoopSide()
-    async with (HttpSide(concurrency) as http,
+    loop_side = LoopSide()
+    per_threads: dict[int, float] = {}
+    for t in thread_counts:
+        torch.set_num_threads(t)
+        loop_side.run(warmup, concurrency)
+        for _ in range(2):
+            count, seconds = loop_side.run(jobs, concurrency)
+            tokens.add(count)
+            per_threads[t] = max(per_threads.get(t, 0.0), count / seconds)
+    loop_threads = max(per_threads, key=lambda t: per_threads[t])
+    torch.set_num_threads(loop_threads)
+    names = ["engine_loop", "direct", "http", "http_in_process"]
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    async with (ApiSide() as direct, HttpSide(concurrency) as http,
                 HttpSide(concurrency, "--engine-in-process") as in_process):
-        servers = {"http": http, "http_in_process": in_process}
-        direct.run(warmup, concurrency)
-        for server in servers.values():
-            await _closed_loop(warmup, concurrency, server.one)
-        for _ in range(rounds):
-            for name in names:
-                if name in servers:
-                    count, seconds = await _closed_loop(jobs, concurrency, servers[name].one)
+        sides = {"direct": direct, "http": http, "http_in_process": in_process}
+        for side in sides.values():
+            await _closed_loop(warmup, concurrency, side.one)
+        for r in range(rounds):
+            for name in names[r % 4:] + names[:r % 4]:
+                if name in sides:
+                    count, seconds = await _closed_loop(jobs, concurrency, sides[name].one)
                 else:  # blocks the event loop, which has nothing else to do meanwhile
-                    torch.set_num_threads(int(name.split("@")[1]))
-                    count, seconds = direct.run(jobs, concurrency)
+                    count, seconds = loop_side.run(jobs, concurrency)
                 tokens.add(count)
-                best[name] = max(best[name], count / seconds)
+                rates[name].append(count / seconds)
     torch.set_num_threads(default_threads)
     if len(tokens) != 1:
         raise RuntimeError(f"the sides generated different token counts: {sorted(tokens)}")
-    loop = max(best[f"direct@{t}"] for t in thread_counts)
-    result = {
-        "direct_tokens_per_s": round(loop, 1),
-        "http_tokens_per_s": round(best["http"], 1),
-        "http_over_direct_tokens_per_s": round(best["http"] / loop, 3),
-        "http_in_process_tokens_per_s": round(best["http_in_process"], 1),
-        "http_in_process_over_direct_tokens_per_s": round(best["http_in_process"] / loop, 3),
-        "http_over_http_in_process_tokens_per_s": round(
-            best["http"] / best["http_in_process"], 3),
-        "http_server_cpu_threads": float(server_threads or default_threads),
-    }
+
+    def ratios(a: str, b: str) -> list[float]:
+        return [x / y for x, y in zip(rates[a], rates[b])]
+
+    result = {name + "_tokens_per_s": round(statistics.median(rates[name]), 1)
+              for name in names}
+    for a, b in (("http", "direct"), ("http", "engine_loop"), ("direct", "engine_loop"),
+                 ("http_in_process", "engine_loop"), ("http", "http_in_process")):
+        result[f"{a}_over_{b}_tokens_per_s"] = round(statistics.median(ratios(a, b)), 3)
+    result["http_over_direct_min"] = round(min(ratios("http", "direct")), 3)
+    result["http_over_direct_max"] = round(max(ratios("http", "direct")), 3)
+    result["rounds"] = float(rounds)
+    result["engine_loop_cpu_threads"] = float(loop_threads)
+    result["http_server_cpu_threads"] = float(server_threads or default_threads)
     for t in thread_counts:
-        result[f"direct_tokens_per_s_{t}_threads"] = round(best[f"direct@{t}"], 1)
+        result[f"engine_loop_tokens_per_s_{t}_threads"] = round(per_threads[t], 1)
     return result
 
 

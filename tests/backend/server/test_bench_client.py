@@ -44,3 +44,25 @@ async def test_an_error_answer_raises(backend: Backend) -> None:
     side = side_for(backend)
     with pytest.raises(RuntimeError, match="400"):
         await side.one(Job([5, 6], 0))  # max_tokens 0: a 400, not a stream
+
+
+async def test_every_side_of_the_bench_generates_the_same_tokens(backend: Backend) -> None:
+    """The bare loop, the engine API and HTTP run one workload to the same token count
+    (the bench refuses a run where they differ), and the loop keeps its concurrency."""
+    from backend.bench.http import ApiSide, LoopSide, _closed_loop, make_workload
+
+    jobs = make_workload(9, seed=3)
+    want = sum(j.max_tokens for j in jobs)
+    loop = LoopSide()
+    count, seconds = loop.run(jobs, 4)
+    assert count == want and seconds > 0
+    st = loop.core.state()
+    assert st.running == 0 and st.kv_blocks_free == st.kv_blocks_total
+    async with ApiSide() as api:
+        assert (await _closed_loop(jobs, 4, api.one))[0] == want
+    side = side_for(backend)
+    try:
+        assert (await _closed_loop(jobs, 4, side.one))[0] == want
+    finally:
+        for c in side.idle:
+            c.close()
