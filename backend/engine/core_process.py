@@ -420,10 +420,27 @@ class EngineClient(AsyncEngine):
         wire.transport.write(_frame(_PICKLE, pickle.dumps(op, 5)))
 
     def abort(self, request_id: str) -> None:
-        """Ask the engine process to abort a request (unknown ids are a no-op)."""
-        if self._dead is not None:
+        """Ask the engine process to abort a request (unknown ids are a no-op). Safe from
+        any thread (a stream dropped without closing is aborted by the garbage collector,
+        wherever it runs); a stopped or dead engine has nothing left to abort."""
+        loop = self._loop
+        if self._dead is not None or loop is None:
             return
-        self._submit(_Abort(request_id))
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:  # no loop runs in this thread
+            on_loop = False
+        if on_loop:
+            self._abort_now(request_id)
+            return
+        try:
+            loop.call_soon_threadsafe(self._abort_now, request_id)
+        except RuntimeError:  # the loop is closed
+            pass
+
+    def _abort_now(self, request_id: str) -> None:
+        if self._accepting():
+            self._submit(_Abort(request_id))
 
     # ---- from the engine process ----------------------------------------------------------
     def _received(self, kind: bytes, body: bytes) -> None:

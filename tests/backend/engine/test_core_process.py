@@ -245,3 +245,21 @@ def test_the_engine_process_ignores_signals_sent_to_the_group(tiny_cache_dir: Pa
         assert engine.proc.returncode == 0
 
     asyncio.run(main())
+
+
+async def test_abort_from_another_thread(tiny_cache_dir: Path) -> None:
+    engine = await started(tiny_cache_dir)
+    try:
+        stream = await engine.generate("t", [5, 6, 7], greedy(1500))
+        async for _ in stream:
+            break
+        await asyncio.to_thread(engine.abort, "t")  # e.g. a garbage-collected stream
+        last = None
+        async with asyncio.timeout(5):
+            async for d in stream:
+                last = d
+        assert last is not None and last.finish_reason == "abort"
+        await wait_idle(engine, timeout=1.0)
+    finally:
+        await engine.shutdown()
+    engine.abort("t")  # after shutdown: nothing to do, no error
