@@ -228,7 +228,7 @@ class AsyncEngine:
         err = EngineDeadError(f"engine step loop failed: {exc!r}")
 
         def fail() -> None:
-            for queue in self._streams.values():
+            for queue in list(self._streams.values()):
                 queue.put_nowait(err)
 
         try:

@@ -14,7 +14,7 @@ Parent to child: pickled operations (add, abort, shutdown). Child to parent: one
 handshake (the engine's settings, or the error that stopped it from starting) is pickled.
 
 Lifetimes: the child ignores SIGINT and SIGTERM (the server drains, then stops it) and
-dies with its parent (``PR_SET_PDEATHSIG`` and end of file on the socket). If it dies,
+dies with its parent (end of file on the socket, read between any two steps). If it dies,
 every open stream fails with ``EngineDeadError`` and ``is_running`` turns false (the
 server's ``/health`` answers 503).
 """
@@ -114,8 +114,13 @@ class _FrameReader:
                     data = self.sock.recv(1 << 20, socket.MSG_DONTWAIT)
                 except (BlockingIOError, InterruptedError):
                     return frames
+                except ConnectionResetError:  # the peer died with data unread
+                    data = b""
             else:
-                data = self.sock.recv(1 << 20)
+                try:
+                    data = self.sock.recv(1 << 20)
+                except ConnectionResetError:
+                    data = b""
             if data:
                 self.buf += data
             else:
@@ -137,26 +142,17 @@ class _FrameReader:
         return out
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: end of file on the socket still ends us
-        pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        sys.exit(0)
-
-
-def child_main(fd: int, parent_pid: int) -> int:
+def child_main(fd: int, parent_pid: int) -> int:  # parent_pid: for ps and debugging
     """Entry point of the engine process: build the engine, then step until told to stop
     or until the parent goes away."""
     # The server owns this process's life: a Ctrl-C, or a SIGTERM sent to the whole group
     # (systemd's default), must not kill the engine under requests the server is draining.
-    # The server stops it when it is done, and its death (even SIGKILL) ends this one.
+    # The server stops it when it is done, and its death (even SIGKILL) closes the socket:
+    # end of file, read between any two steps (and waited on when idle), ends this one.
+    # (Not PR_SET_PDEATHSIG: it fires when the *thread* that started us exits, and the
+    # server may start us from a short-lived worker thread.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _die_with_parent(parent_pid)
     sock = socket.socket(fileno=fd)
     sock.setblocking(True)
     reader = _FrameReader(sock)
@@ -317,6 +313,7 @@ class EngineClient(AsyncEngine):
                             kv_bytes_per_block=info["kv_bytes_per_block"], pid=info["pid"])
         super().__init__(validator, parts)  # type: ignore[arg-type]
         self._wire: _Wire | None = None
+        self._closed = False  # the socket to the engine process is gone
         self._bye: asyncio.Future[None] | None = None
 
     @classmethod
@@ -337,6 +334,9 @@ class EngineClient(AsyncEngine):
                 [sys.executable, "-m", "backend.engine.core_process", str(child.fileno()),
                  str(os.getpid())],
                 pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
+        except BaseException:
+            parent.close()
+            raise
         finally:
             child.close()
         try:
@@ -344,13 +344,13 @@ class EngineClient(AsyncEngine):
             parent.sendall(_frame(_PICKLE, pickle.dumps((config, level))))
             reply = _FrameReader(parent).read(block=True)
             if not reply:
-                code = proc.wait()
+                code = proc.wait(timeout=10)
                 raise EngineDeadError(f"the engine process exited while starting (code {code})")
             msg = pickle.loads(reply[0][1])
             if msg[0] == "error":
                 _rid, name, message, param = msg[1]
                 log.debug("engine process failed to start:\n%s", msg[2])
-                proc.wait()
+                proc.wait(timeout=10)
                 raise _error_from_wire(name, message, param)
             return cls(proc, parent, msg[1], tokenizer)
         except BaseException:
@@ -381,6 +381,7 @@ class EngineClient(AsyncEngine):
                     await asyncio.wait_for(asyncio.shield(self._bye), 30)
                 except TimeoutError:
                     log.warning("the engine process did not stop within 30 s; killing it")
+                    self.proc.kill()
             self._wire.transport.close()
         elif self._sock is not None:
             self._sock.close()
@@ -396,7 +397,9 @@ class EngineClient(AsyncEngine):
 
     @property
     def is_running(self) -> bool:
-        return self._accepting() and self._dead is None
+        """The engine process is up (also while it shuts down: the final deltas of what it
+        aborts are still to come)."""
+        return self._wire is not None and not self._closed and self._dead is None
 
     def _accepting(self) -> bool:
         wire = self._wire
@@ -409,7 +412,7 @@ class EngineClient(AsyncEngine):
             self._send(("add", op.request_id, op.prompt_token_ids, op.params, op.priority,
                         op.cache_salt, op.arrival_time))
         else:
-            self._send(("abort", op.request_id, time.monotonic()))
+            self._abort_now(op.request_id, time.monotonic())
 
     def _send(self, op: tuple[Any, ...]) -> None:
         wire = self._wire
@@ -426,21 +429,22 @@ class EngineClient(AsyncEngine):
         loop = self._loop
         if self._dead is not None or loop is None:
             return
+        at = time.monotonic()  # when it was asked for, not when the loop gets to it
         try:
             on_loop = asyncio.get_running_loop() is loop
         except RuntimeError:  # no loop runs in this thread
             on_loop = False
         if on_loop:
-            self._abort_now(request_id)
+            self._abort_now(request_id, at)
             return
         try:
-            loop.call_soon_threadsafe(self._abort_now, request_id)
+            loop.call_soon_threadsafe(self._abort_now, request_id, at)
         except RuntimeError:  # the loop is closed
             pass
 
-    def _abort_now(self, request_id: str) -> None:
+    def _abort_now(self, request_id: str, at: float) -> None:
         if self._accepting():
-            self._submit(_Abort(request_id))
+            self._send(("abort", request_id, at))
 
     # ---- from the engine process ----------------------------------------------------------
     def _received(self, kind: bytes, body: bytes) -> None:
@@ -463,19 +467,20 @@ class EngineClient(AsyncEngine):
             self._dead = EngineDeadError("the engine's step loop failed in its process")
 
     def _lost(self, exc: Exception | None) -> None:
+        self._closed = True
         if self._bye is not None and not self._bye.done():
             self._bye.set_result(None)
-        if self._stopping:  # our own shutdown
-            return
-        if self._dead is None:
+        if self._dead is None and not self._stopping:
             code = self.proc.poll()
             self._dead = EngineDeadError(
                 "the engine process exited" + (f" (code {code})" if code is not None else ""))
             log.error("%s; failing its %d open request(s)", self._dead, len(self._streams))
-        err = EngineDeadError(f"engine step loop failed: {self._dead}")
-        for queue in self._streams.values():
+        # Every stream still open ends now: after a normal shutdown each one already has
+        # its final (abort) delta and ignores this; if the process died or was killed,
+        # this is their end. A list: a stream collected on another thread may leave.
+        err = EngineDeadError(f"engine stopped: {self._dead or 'shut down'}")
+        for queue in list(self._streams.values()):
             queue.put_nowait(err)
-
 
 if __name__ == "__main__":
     sys.exit(child_main(int(sys.argv[1]), int(sys.argv[2])))

@@ -263,3 +263,21 @@ async def test_abort_from_another_thread(tiny_cache_dir: Path) -> None:
     finally:
         await engine.shutdown()
     engine.abort("t")  # after shutdown: nothing to do, no error
+
+
+async def test_streams_end_when_the_engine_dies_during_shutdown(tiny_cache_dir: Path) -> None:
+    engine = await started(tiny_cache_dir)
+    pid = engine.parts.pid
+    stream = await engine.generate("h", [5, 6, 7], greedy(1500))
+    async for _ in stream:
+        break
+    os.kill(pid, signal.SIGSTOP)  # stuck: it cannot answer the shutdown …
+    stopping = asyncio.create_task(engine.shutdown())
+    await asyncio.sleep(0.3)
+    os.kill(pid, signal.SIGKILL)  # … and then dies without its final deltas
+    async with asyncio.timeout(15):
+        await stopping
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+    assert not engine.is_running and engine.proc.returncode == -signal.SIGKILL
