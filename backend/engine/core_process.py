@@ -181,6 +181,8 @@ def child_main(fd: int, parent_pid: int) -> int:  # parent_pid: for ps and debug
     sock.sendall(_frame(_PICKLE, pickle.dumps(("ready", info))))
     try:
         _step_loop(core, sock, reader)
+    except (BrokenPipeError, ConnectionResetError):  # the server is gone: nobody to serve
+        return 0
     except BaseException:  # tell the parent why, then die
         try:
             sock.sendall(_frame(_PICKLE, pickle.dumps(("dead", traceback.format_exc()))))
