@@ -17,6 +17,7 @@ import itertools
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -144,8 +145,13 @@ def test_metrics_match_the_script(server: tuple[str, Path]) -> None:
     # skimmers got their first token (TTFT measured) but no E2E: they left mid-stream
     skim = [x for x, r in zip(m.measured, m.result.records)
             if r.plan.cls == "skimmer" and x.outcome == "cancelled"]
-    assert skim and all(x.e2e_ms is None and abs((x.ttft_ms or 0) - TTFT) <= TOL_MS
-                        for x in skim)
+    # (each within the jitter bound, their median within the tolerance, as for the others:
+    # a single sample can lose a few ms to a busy two-core machine)
+    assert skim and all(x.e2e_ms is None for x in skim)
+    skim_ttft = [x.ttft_ms for x in skim if x.ttft_ms is not None]
+    assert len(skim_ttft) == len(skim)
+    assert all(abs(t - TTFT) <= JITTER_MS for t in skim_ttft), skim_ttft
+    assert abs(statistics.median(skim_ttft) - TTFT) <= TOL_MS
     assert report["goodput_rps"] == round(want["success"] / 2.0, 4)
     assert report["offered_rps"] == 20.0
     assert report["slo_attainment"] == round(want["success"] / 40, 4)

@@ -39,7 +39,11 @@ async def test_open_loop_sends_the_schedule_on_kept_alive_connections() -> None:
         samples = await open_loop(pool, rate=200, seconds=0.25)
         assert len(samples) == 50
         assert all(check_stream(s, 5) == "" for s in samples)
-        assert all(s.due <= s.sent and s.sent < s.first <= s.done for s in samples)
+        # open_loop sends what is due within half a millisecond together, so a request may
+        # leave up to 0.5 ms before its due time, never earlier
+        assert all(s.sent >= s.due - 0.0005 for s in samples), [
+            s.sent - s.due for s in samples]
+        assert all(s.sent < s.first <= s.done for s in samples)
         assert pool.opened == 4 and pool.connecting == 0  # warm connections were enough
         await pool.close()
 
