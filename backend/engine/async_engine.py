@@ -61,6 +61,9 @@ class AsyncEngine:
         # Called on the event loop with every final delta, also of requests whose stream
         # was closed (a client that left): the server's telemetry ends them there.
         self.on_final: Callable[[OutputDelta], None] | None = None
+        # Called once on the event loop when the engine dies (its step loop raised, or its
+        # process exited), after every open stream has been failed: `serve` exits then.
+        self.on_dead: Callable[[], None] | None = None
 
     @classmethod
     def from_config(cls, config: Any) -> AsyncEngine:
@@ -222,6 +225,14 @@ class AsyncEngine:
             if queue is not None:
                 queue.put_nowait(exc)
 
+    def _notify_dead(self) -> None:
+        hook, self.on_dead = self.on_dead, None
+        if hook is not None:
+            try:
+                hook()
+            except Exception:
+                log.exception("on_dead hook failed")
+
     def _fail_all(self, exc: BaseException) -> None:
         if self._loop is None or self._loop.is_closed():
             return
@@ -230,6 +241,7 @@ class AsyncEngine:
         def fail() -> None:
             for queue in list(self._streams.values()):
                 queue.put_nowait(err)
+            self._notify_dead()
 
         try:
             self._loop.call_soon_threadsafe(fail)

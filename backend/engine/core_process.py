@@ -483,6 +483,8 @@ class EngineClient(AsyncEngine):
         err = EngineDeadError(f"engine stopped: {self._dead or 'shut down'}")
         for queue in list(self._streams.values()):
             queue.put_nowait(err)
+        if not self._stopping:
+            self._notify_dead()
 
 if __name__ == "__main__":
     sys.exit(child_main(int(sys.argv[1]), int(sys.argv[2])))

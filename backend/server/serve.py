@@ -1,5 +1,8 @@
 """Run the server under uvicorn with a graceful SIGTERM.
 
+If the engine dies (its step loop raised, or its process exited), the open requests fail
+and the server exits with status 1, for its supervisor to restart it.
+
 On SIGTERM/SIGINT ``/health`` answers 503 "draining" and new generation requests get 503
 (``code: draining``, Retry-After) at once. For ``drain_grace_s`` (default 0) the listener
 stays open, so that a load balancer or a gateway sees the 503s and stops sending; then
@@ -70,5 +73,16 @@ def serve(engine: AsyncEngine, settings: ServerSettings,
         lifespan="on",
     )
     server = _Server(config, app, on_ready)
+    died: list[bool] = []
+
+    def engine_died() -> None:
+        # Nothing can be served any more: exit (status 1) so that a supervisor (Compose's
+        # restart policy, Kubernetes, systemd) starts a fresh server. The open requests
+        # have already failed; uvicorn closes the listener and lets them finish.
+        log.error("the engine died: the server exits with status 1 so that it is restarted")
+        died.append(True)
+        server.should_exit = True
+
+    engine.on_dead = engine_died
     server.run()
-    return 0 if server.started else 1
+    return 1 if died or not server.started else 0

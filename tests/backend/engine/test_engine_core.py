@@ -11,7 +11,7 @@ import torch
 
 from backend.engine.async_engine import AsyncEngine
 from backend.engine.engine import LLMEngine
-from backend.engine.errors import InvalidRequestError, PromptTooLongError
+from backend.engine.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
 from backend.engine.sampling import SamplingParams
 from backend.engine.scheduler import ScheduledChunk
 from backend.engine.sequence import SequenceStatus
@@ -63,6 +63,18 @@ def make_engine(scripts: dict[int, list[int]], **kw) -> LLMEngine:
             "make_detokenizer": CharDetok, "make_salt": lambda s: (s or "").encode()}
     args.update(kw)
     return LLMEngine(**args)
+
+
+def slow_down(engine: LLMEngine, seconds: float = 0.005) -> None:
+    """Make every step take at least ``seconds``: the scripted model is so fast that a
+    request can finish before an abort sent from the event loop lands."""
+    execute = engine.runner.execute
+
+    def slow_execute(chunks):
+        time.sleep(seconds)
+        return execute(chunks)
+
+    engine.runner.execute = slow_execute
 
 
 def run_all(engine: LLMEngine) -> dict[str, list]:
@@ -210,13 +222,7 @@ async def test_async_engine_stream_and_cancel():
             await aeng.generate("bad", [1] * 100, SamplingParams(max_tokens=1))
         # A consumer that leaves early aborts the request and frees its blocks. Steps are
         # slowed to 5 ms, so that the 50 tokens take longer than the abort takes to land.
-        execute = eng.runner.execute
-
-        def slow_execute(chunks):
-            time.sleep(0.005)
-            return execute(chunks)
-
-        eng.runner.execute = slow_execute
+        slow_down(eng)
         stream = await aeng.generate("gone", [3], SamplingParams(max_tokens=50, temperature=0,
                                                                   ignore_eos=True))
         async for _ in stream:
@@ -281,6 +287,8 @@ async def test_async_engine_hands_every_final_delta_to_on_final():
         got = [d async for d in stream]
         assert finals == [got[-1]]
         # A stream closed early: nobody reads its final delta, on_final still gets it.
+        # Steps are slowed to 5 ms, so that the 50 tokens take longer than the abort.
+        slow_down(eng)
         stream = await aeng.generate("gone", [3], SamplingParams(max_tokens=50, temperature=0,
                                                                   ignore_eos=True))
         async for _ in stream:
@@ -292,3 +300,26 @@ async def test_async_engine_hands_every_final_delta_to_on_final():
             await asyncio.sleep(0.01)
         assert finals[1].request_id == "gone" and finals[1].finish_reason == "abort"
         assert finals[1].metrics is not None and finals[1].metrics.abort_time is not None
+
+
+async def test_a_crashed_step_loop_fails_streams_and_calls_on_dead_once():
+    eng = make_engine({3: [1, 2, 3, 4, 5, 6, 7, 8]})
+    aeng = AsyncEngine(eng)
+    dead: list[bool] = []
+    aeng.on_dead = lambda: dead.append(True)
+    async with aeng:
+        stream = await aeng.generate("ok", [3], SamplingParams(max_tokens=40, temperature=0,
+                                                                ignore_eos=True))
+
+        def broken(chunks):
+            raise RuntimeError("the model broke")
+
+        eng.runner.execute = broken
+        with pytest.raises(EngineDeadError):
+            async with asyncio.timeout(5):
+                async for _ in stream:
+                    pass
+        await asyncio.sleep(0.05)
+        assert dead == [True] and not aeng.is_running
+        with pytest.raises(EngineDeadError):
+            await aeng.generate("after", [3], SamplingParams(max_tokens=1))
