@@ -165,7 +165,7 @@ class AsyncEngine:
                 for op in ops:
                     self._apply(op, deltas, errors)
                 if stopping:
-                    self._abort_all(deltas)
+                    deltas.extend(core.abort_all())
                     self._snapshot = core.state()
                     self._publish(deltas, errors)
                     return
@@ -191,14 +191,6 @@ class AsyncEngine:
                                   arrival_time=op.arrival_time)
         except InvalidRequestError as exc:
             errors.append((op.request_id, exc))
-
-    def _abort_all(self, deltas: list[OutputDelta]) -> None:
-        sch = self.core.scheduler
-        ids = [s.request_id for s in sch.running + sch.waiting]
-        for rid in ids:
-            delta = self.core.abort(rid)
-            if delta is not None:
-                deltas.append(delta)
 
     def _publish(self, deltas: list[OutputDelta],
                  errors: list[tuple[str, BaseException]]) -> None:

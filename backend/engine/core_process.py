@@ -15,8 +15,8 @@ handshake (the engine's settings, or the error that stopped it from starting) is
 
 Lifetimes: the child ignores SIGINT and SIGTERM (the server drains, then stops it) and
 dies with its parent (end of file on the socket, read between any two steps). If it dies,
-every open stream fails with ``EngineDeadError`` and ``is_running`` turns false (the
-server's ``/health`` answers 503).
+every open stream fails with ``EngineDeadError``, ``is_running`` turns false and
+``on_dead`` is called (``serve`` then exits with status 1, for a supervisor to restart it).
 """
 
 from __future__ import annotations
@@ -56,6 +56,21 @@ _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # holds the `backend` packa
 
 def _frame(kind: bytes, body: bytes) -> bytes:
     return _HEAD.pack(kind, len(body)) + body
+
+
+def _take_frames(buf: bytearray) -> list[tuple[bytes, bytes]]:
+    """Remove the complete frames from the front of ``buf``; (kind, body) each."""
+    out = []
+    pos, size, end = 0, _HEAD.size, len(buf)
+    while end - pos >= size:
+        kind, n = _HEAD.unpack_from(buf, pos)
+        if end - pos - size < n:
+            break
+        out.append((kind, bytes(buf[pos + size:pos + size + n])))
+        pos += size + n
+    if pos:
+        del buf[:pos]
+    return out
 
 
 # ---- the wire form of what the engine hands back ------------------------------------------
@@ -105,7 +120,7 @@ class _FrameReader:
     def read(self, block: bool) -> list[tuple[bytes, bytes]] | None:
         frames: list[tuple[bytes, bytes]] = []
         while True:
-            frames.extend(self._parse())
+            frames.extend(_take_frames(self.buf))
             if self.eof:
                 return frames or None
             if frames or not block:
@@ -126,23 +141,7 @@ class _FrameReader:
             else:
                 self.eof = True
 
-    def _parse(self) -> list[tuple[bytes, bytes]]:
-        out = []
-        buf = self.buf
-        pos = 0
-        while len(buf) - pos >= _HEAD.size:
-            kind, n = _HEAD.unpack_from(buf, pos)
-            if len(buf) - pos - _HEAD.size < n:
-                break
-            start = pos + _HEAD.size
-            out.append((kind, bytes(buf[start:start + n])))
-            pos = start + n
-        if pos:
-            del buf[:pos]
-        return out
-
-
-def child_main(fd: int, parent_pid: int) -> int:  # parent_pid: for ps and debugging
+def child_main(fd: int) -> int:
     """Entry point of the engine process: build the engine, then step until told to stop
     or until the parent goes away."""
     # The server owns this process's life: a Ctrl-C, or a SIGTERM sent to the whole group
@@ -219,11 +218,7 @@ def _step_loop(core: Any, sock: socket.socket, reader: _FrameReader) -> None:
             elif op[0] == "shutdown":
                 stopping = True
         if stopping:
-            sch = core.scheduler
-            for rid in [s.request_id for s in sch.running + sch.waiting]:
-                delta = core.abort(rid)
-                if delta is not None:
-                    deltas.append(delta)
+            deltas.extend(core.abort_all())
         elif core.has_work():
             deltas.extend(core.step())
         body = dumps(([to_wire(d) for d in deltas], errors, _state_to_wire(core.state())))
@@ -253,9 +248,6 @@ class _Validator:
         """The snapshot the engine process sent when it became ready."""
         return self._state
 
-    def mark_abort(self, request_id: str) -> None:
-        """No-op: the abort message carries its time, from which the child marks it."""
-
 
 @dataclass(slots=True, frozen=True)
 class RemoteParts:
@@ -282,18 +274,9 @@ class _Wire(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        buf = self.buf
-        buf += data
-        pos, size, end = 0, _HEAD.size, len(buf)
-        while end - pos >= size:
-            kind, n = _HEAD.unpack_from(buf, pos)
-            if end - pos - size < n:
-                break
-            body = bytes(buf[pos + size:pos + size + n])
-            pos += size + n
+        self.buf += data
+        for kind, body in _take_frames(self.buf):
             self.client._received(kind, body)
-        if pos:
-            del buf[:pos]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.client._lost(exc)
@@ -333,8 +316,7 @@ class EngineClient(AsyncEngine):
             p for p in (str(_PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "backend.engine.core_process", str(child.fileno()),
-                 str(os.getpid())],
+                [sys.executable, "-m", "backend.engine.core_process", str(child.fileno())],
                 pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
         except BaseException:
             parent.close()
@@ -410,11 +392,10 @@ class EngineClient(AsyncEngine):
 
     # ---- requests -----------------------------------------------------------------------
     def _submit(self, op: _Add | _Abort) -> None:
-        if isinstance(op, _Add):
-            self._send(("add", op.request_id, op.prompt_token_ids, op.params, op.priority,
-                        op.cache_salt, op.arrival_time))
-        else:
-            self._abort_now(op.request_id, time.monotonic())
+        # Only `generate` submits here: `abort` is overridden and sends its own message.
+        assert isinstance(op, _Add)
+        self._send(("add", op.request_id, op.prompt_token_ids, op.params, op.priority,
+                    op.cache_salt, op.arrival_time))
 
     def _send(self, op: tuple[Any, ...]) -> None:
         wire = self._wire
@@ -487,4 +468,4 @@ class EngineClient(AsyncEngine):
             self._notify_dead()
 
 if __name__ == "__main__":
-    sys.exit(child_main(int(sys.argv[1]), int(sys.argv[2])))
+    sys.exit(child_main(int(sys.argv[1])))

@@ -188,6 +188,12 @@ class LLMEngine:
         return self._final_delta(seq, "", (), (), tokens_after_abort=after,
                                  abort_time=state.abort_time)
 
+    def abort_all(self) -> list[OutputDelta]:
+        """Abort every running and waiting request (shutdown); their final deltas."""
+        sch = self.scheduler
+        deltas = [self.abort(s.request_id) for s in sch.running + sch.waiting]
+        return [d for d in deltas if d is not None]
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 

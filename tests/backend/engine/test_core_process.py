@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from backend.engine.async_engine import RequestStream
 from backend.engine.config import EngineConfig
 from backend.engine.core_process import EngineClient, _error_from_wire, _error_to_wire
 from backend.engine.errors import (
@@ -48,6 +49,14 @@ async def started(cache: Path, **kw: object) -> EngineClient:
     engine = await asyncio.to_thread(EngineClient.from_config, config(cache, **kw))
     await engine.start()
     return engine
+
+
+async def decoding(engine: EngineClient, request_id: str) -> RequestStream:
+    """A long greedy request that has produced its first token, and its stream."""
+    stream = await engine.generate(request_id, [5, 6, 7], greedy(2000))
+    async for _ in stream:
+        break
+    return stream
 
 
 async def wait_idle(engine: EngineClient, timeout: float = 5.0) -> None:
@@ -153,9 +162,7 @@ def test_errors_cross_the_wire_with_their_type_and_parameter() -> None:
 
 async def test_shutdown_aborts_what_is_still_running(tiny_cache_dir: Path) -> None:
     engine = await started(tiny_cache_dir)
-    stream = await engine.generate("s", [5, 6, 7], greedy(2000))
-    async for _ in stream:
-        break
+    stream = await decoding(engine, "s")
     await engine.shutdown()
     last = None
     async for d in stream:
@@ -169,9 +176,7 @@ async def test_shutdown_aborts_what_is_still_running(tiny_cache_dir: Path) -> No
 async def test_a_dead_engine_process_fails_open_streams(tiny_cache_dir: Path) -> None:
     engine = await started(tiny_cache_dir)
     try:
-        stream = await engine.generate("d", [5, 6, 7], greedy(2000))
-        async for _ in stream:
-            break
+        stream = await decoding(engine, "d")
         os.kill(engine.parts.pid, signal.SIGKILL)
         with pytest.raises(EngineDeadError):
             async with asyncio.timeout(10):
@@ -202,6 +207,7 @@ def test_a_checkpoint_the_engine_cannot_load_fails_the_start(tiny_model_dir: Pat
 def test_the_engine_process_dies_with_its_parent(tiny_cache_dir: Path, how: str) -> None:
     script = f"""
 import os, sys, time
+from backend.engine.async_engine import RequestStream
 from backend.engine.config import EngineConfig
 from backend.engine.core_process import EngineClient
 e = EngineClient.from_config(EngineConfig(model="tiny", cache_dir={str(tiny_cache_dir)!r},
@@ -250,9 +256,7 @@ def test_the_engine_process_ignores_signals_sent_to_the_group(tiny_cache_dir: Pa
 async def test_abort_from_another_thread(tiny_cache_dir: Path) -> None:
     engine = await started(tiny_cache_dir)
     try:
-        stream = await engine.generate("t", [5, 6, 7], greedy(1500))
-        async for _ in stream:
-            break
+        stream = await decoding(engine, "t")
         await asyncio.to_thread(engine.abort, "t")  # e.g. a garbage-collected stream
         last = None
         async with asyncio.timeout(5):
@@ -268,9 +272,7 @@ async def test_abort_from_another_thread(tiny_cache_dir: Path) -> None:
 async def test_streams_end_when_the_engine_dies_during_shutdown(tiny_cache_dir: Path) -> None:
     engine = await started(tiny_cache_dir)
     pid = engine.parts.pid
-    stream = await engine.generate("h", [5, 6, 7], greedy(1500))
-    async for _ in stream:
-        break
+    stream = await decoding(engine, "h")
     os.kill(pid, signal.SIGSTOP)  # stuck: it cannot answer the shutdown …
     stopping = asyncio.create_task(engine.shutdown())
     await asyncio.sleep(0.3)
