@@ -111,7 +111,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     if can_prepack(device):
         loaded.model.prepack_cpu_matmuls()
     if device.type == "cpu" and config.decode_kernel:
-        loaded.model.set_decode_kernel(load_decode_kernel())
+        loaded.model.set_decode_kernel(load_decode_kernel(), fused=config.fused_decode)
     tokenizer = Tokenizer.from_dir(path)
     versions = ResolvedVersions(
         model=name,

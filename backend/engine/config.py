@@ -29,6 +29,8 @@ class EngineConfig:
     # them. Never below one thread.
     reserve_cores: int = 0
     decode_kernel: bool = True  # CPU: compile and use the C decode-attention kernel
+    # CPU, with the kernel: decode steps of up to 4 sequences run as one fused C call
+    fused_decode: bool = True
     served_model_name: str | None = None
 
     def __post_init__(self) -> None:

@@ -26,8 +26,14 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+from . import fused_decode
+
+if TYPE_CHECKING:
+    from .models.llama import LlamaForCausalLM
 
 log = logging.getLogger("sluice.engine")
 
@@ -253,7 +259,7 @@ DEFINE_VECTOR(vector_bf16, task_bf16, uint16_t)
 
 void decode_attention_f32(KERNEL_ARGS(float)) { DISPATCH(vector_f32, scalar_f32) }
 void decode_attention_bf16(KERNEL_ARGS(uint16_t)) { DISPATCH(vector_bf16, scalar_bf16) }
-"""
+""" + fused_decode.SOURCE
 
 # -ffast-math lets the dot products vectorize (reassociation) and expf use the vector
 # math library; every value the kernel sees is finite (it never reads past a context).
@@ -280,6 +286,14 @@ class DecodeKernel:
                            *([ctypes.c_int64] * 7), ctypes.c_float, ctypes.c_void_p,
                            ctypes.c_int64, ctypes.c_int]
             self._fns[dtype] = fn
+
+    def fused_decoder(self, model: LlamaForCausalLM) -> fused_decode.FusedDecoder | None:
+        """The fused small-batch decode step for ``model``; None where this build (no
+        AVX2) or the model (dtype, shapes) cannot use it."""
+        if not hasattr(self._lib, "fused_available") \
+                or not fused_decode.FusedDecoder.supports(model):
+            return None
+        return fused_decode.FusedDecoder(self._lib, model)
 
     def supports(self, cache: torch.Tensor) -> bool:
         return cache.device.type == "cpu" and cache.dtype in self._fns \

@@ -19,6 +19,8 @@ from torch import nn
 
 from ..attention import AttentionBatch, Workspace, paged_attention, write_kv
 from ..decode_kernel import DecodeKernel
+from ..fused_decode import MAX_ROWS as FUSED_MAX_ROWS
+from ..fused_decode import FusedDecoder
 from ..model_config import ModelConfig
 from .linear import HALF_MAX_ROWS, PackedLinear, linear
 
@@ -252,6 +254,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, dtype, device)
         self.lm_head_packed: PackedLinear | None = None
         self.decode_kernel: DecodeKernel | None = None  # see set_decode_kernel
+        self.fused: FusedDecoder | None = None  # see set_decode_kernel
         if not config.tie_word_embeddings:
             self.lm_head = _Proj()
             self.lm_head.weight = _param((config.vocab_size, config.hidden_size), dtype, device)
@@ -266,6 +269,16 @@ class LlamaForCausalLM(nn.Module):
                 batch: AttentionBatch) -> torch.Tensor:
         """input_ids/positions [T] -> hidden [T, hidden]; writes the step's K/V."""
         m = self.model
+        t, dec = input_ids.shape[0], batch.decode
+        if self.fused is not None and t <= FUSED_MAX_ROWS and dec is not None \
+                and not batch.prefills and dec.token_range == (0, t):
+            # Every token decodes, few of them: one C call (``fused_decode.py``).
+            cos32, sin32 = m.rotary_emb.cos_sin(positions, torch.float32)
+            scratch = self.workspace.get("fused", (self.fused.scratch_numel(t),),
+                                         torch.float32, input_ids.device)
+            return self.fused.forward(input_ids, cos32, sin32,
+                                      dec.block_ids.view(t, dec.blocks_per_seq),
+                                      dec.context_lens, kv_caches, scratch)
         h = F.embedding(input_ids, m.embed_tokens.weight)
         if self.lm_head_packed is not None and h.dtype != torch.float32 \
                 and h.shape[0] > HALF_MAX_ROWS:
@@ -281,6 +294,9 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
+        if self.fused is not None and hidden.dtype == torch.float32 \
+                and hidden.shape[0] <= FUSED_MAX_ROWS:
+            return self.fused.linear(hidden.contiguous(), self.lm_head_weight, None)
         return linear(hidden, self.lm_head_weight, None, self.lm_head_packed, torch.float32)
 
     @property
@@ -309,9 +325,12 @@ class LlamaForCausalLM(nn.Module):
             for norm in norms:
                 norm.weight32 = norm.weight.float()
 
-    def set_decode_kernel(self, kernel: DecodeKernel | None) -> None:
-        """Use ``kernel`` for decode attention where it supports the cache (CPU)."""
+    def set_decode_kernel(self, kernel: DecodeKernel | None, fused: bool = True) -> None:
+        """Use ``kernel`` for decode attention where it supports the cache (CPU), and with
+        ``fused``, its fused step for decode steps of up to ``FUSED_MAX_ROWS`` sequences
+        where it supports the model (``fused_decode.py``)."""
         self.decode_kernel = kernel
+        self.fused = kernel.fused_decoder(self) if kernel is not None and fused else None
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """HF-named standalone tensors (no shared storage), ready for safetensors."""

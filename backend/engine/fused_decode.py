@@ -1,0 +1,406 @@
+"""A whole decode step of a small batch in one C call, on the CPU.
+
+Why: a decode step of one sequence moves every weight once (80 MB for the bench model in
+bf16) and does little else, so its floor is the time to stream the weights. Through torch
+ops the bench model's step runs ~80 small ops per layer (norms, rotary halves, casts,
+slices, residual adds) that together cost as much as the weight stream: ~2.5 ms of a
+6 ms step. Here one call runs all layers inside one OpenMP region:
+
+    h = embed[ids]                                       (fp32)
+    per layer: x = rmsnorm(h); qkv = x W_qkv (+ b); rotary on q, k; K/V into the paged
+               cache; attention (the decode kernel's task); h += att W_o (+ b);
+               x = rmsnorm(h); g, u = x W_gate_up; h += (silu(g) * u) W_down
+    out = rmsnorm(h)
+
+Weights (bf16 or fp32) are read where they lie and widened in registers; activations,
+norms and sums stay fp32 (as the multi-row path's prepacked fp32 matmuls do). Each matmul
+splits its output rows between the threads, so each thread streams one contiguous slice
+of the weight. ``linear`` is the same matmul alone (the LM head).
+
+Used for steps where every sequence decodes and there are at most ``MAX_ROWS`` of them;
+larger batches are compute-bound and run oneDNN's prepacked matmuls (``linear.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .models.llama import LlamaForCausalLM
+
+# Batch sizes served here (measured on the bench model, 2-core AVX2 CPU: at 4 rows the
+# fused step still beats the prepacked fp32 path; see docs/engine.md).
+MAX_ROWS = 8
+
+SOURCE = r"""
+#ifdef VECTOR
+#include <omp.h>
+
+typedef struct {
+    const void* qkv_w; const void* qkv_b; const void* o_w; const void* o_b;
+    const void* gate_up_w; const void* down_w; const void* in_norm; const void* post_norm;
+    void* k_cache; void* v_cache;
+} FusedLayer;
+
+typedef struct {
+    int64_t layers, hidden, inter, heads, kv_heads, head_dim, num_blocks, block_size;
+    int64_t bf16;  /* 1: weights and caches bfloat16; 0: float32 */
+    float eps, scale;
+    const void* embed;
+    const void* final_norm;
+    const FusedLayer* layer;
+} FusedModel;
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7FFF + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float load1(const void* p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+}
+
+/* This thread's share [lo, hi) of n items, in multiples of `align`. */
+static inline void share(int64_t n, int64_t align, int64_t* lo, int64_t* hi) {
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t units = (n + align - 1) / align;
+    *lo = units * t / nt * align;
+    *hi = units * (t + 1) / nt * align;
+    if (*hi > n) *hi = n;
+    if (*lo > n) *lo = n;
+}
+
+/* y[m * ldy + r] (+)= sum_k x[m * K + k] * w[r * K + k] (+ bias[r]) for r in [r0, r1),
+   m < M (compile-time). One row of w at a time, read once for all M inputs, with U
+   independent accumulators per input. Measured on the bench model's 33 weights (bf16,
+   2 threads): one row at a time streams 45-50 GB/s; 8 rows at once (8 interleaved
+   streams) only 17 GB/s. K % 8 == 0. */
+#define DEFINE_GEMM(NAME, T, LOAD8, LOAD1)                                              \
+static inline __attribute__((always_inline)) void NAME(                                 \
+        const float* x, int64_t K, const T* w, const T* bias, float* y, int64_t ldy,    \
+        int64_t r0, int64_t r1, int acc, const int64_t M) {                             \
+    const int64_t U = M == 1 ? 4 : M <= 4 ? 2 : 1;                                                   \
+    for (int64_t r = r0; r < r1; r++) {                                                 \
+        const T* wr = w + r * K;                                                        \
+        __m256 a[8];                                                                    \
+        for (int64_t i = 0; i < U * M; i++) a[i] = _mm256_setzero_ps();                 \
+        int64_t k = 0;                                                                  \
+        for (; k + 8 * U <= K; k += 8 * U) {                                            \
+            __builtin_prefetch((const char*)(wr + k) + 256);                            \
+            for (int64_t u = 0; u < U; u++) {                                           \
+                const __m256 wv = LOAD8(wr + k + 8 * u);                                \
+                for (int64_t m = 0; m < M; m++)                                         \
+                    a[u * M + m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k + 8 * u), \
+                                                   a[u * M + m]);                       \
+            }                                                                           \
+        }                                                                               \
+        for (; k < K; k += 8) {                                                         \
+            const __m256 wv = LOAD8(wr + k);                                            \
+            for (int64_t m = 0; m < M; m++)                                             \
+                a[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), a[m]);       \
+        }                                                                               \
+        for (int64_t m = 0; m < M; m++) {                                               \
+            __m256 sum = a[m];                                                          \
+            for (int64_t u = 1; u < U; u++) sum = _mm256_add_ps(sum, a[u * M + m]);     \
+            float v = hsum8(sum);                                                       \
+            if (bias) v += LOAD1(bias[r]);                                              \
+            float* dst = y + m * ldy + r;                                               \
+            *dst = acc ? *dst + v : v;                                                  \
+        }                                                                               \
+    }                                                                                   \
+}
+
+DEFINE_GEMM(gemm_rows_f32, float, load8_f32, LOAD_F32)
+DEFINE_GEMM(gemm_rows_bf16, uint16_t, load8_bf16, bf16_to_f32)
+
+/* The calling thread's share of y (+)= x w^T (+ bias), x [n, K], w [N, K], n <= 4.
+   No barrier. */
+static void gemm_share(const float* x, int64_t n, int64_t K, const void* w, const void* bias,
+                       float* y, int64_t N, int acc, int bf16) {
+    int64_t r0, r1;
+    share(N, 8, &r0, &r1);
+    if (r0 >= r1) return;
+#define GEMM_CASE(MM)                                                                   \
+    if (bf16) gemm_rows_bf16(xm, K, (const uint16_t*)w, (const uint16_t*)bias, ym, N, r0, \
+                             r1, acc, MM);                                              \
+    else gemm_rows_f32(xm, K, (const float*)w, (const float*)bias, ym, N, r0, r1, acc, MM);
+    const float* xm = x;
+    float* ym = y;
+    switch (n) {  /* the weight slice is streamed once for all n inputs */
+    case 1: { GEMM_CASE(1) break; }
+    case 2: { GEMM_CASE(2) break; }
+    case 3: { GEMM_CASE(3) break; }
+    case 4: { GEMM_CASE(4) break; }
+    case 5: { GEMM_CASE(5) break; }
+    case 6: { GEMM_CASE(6) break; }
+    case 7: { GEMM_CASE(7) break; }
+    default: { GEMM_CASE(8) break; }
+    }
+#undef GEMM_CASE
+}
+
+/* RMSNorm of the rows of h [n, E] this thread owns (m = tid, tid + nt, ...) into x. */
+static void norm_rows(const float* h, float* x, int64_t n, int64_t E, const void* w,
+                      float eps, int bf16) {
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+    for (int64_t m = t; m < n; m += nt) {
+        const float* hm = h + m * E;
+        float* xm = x + m * E;
+        float ss = 0.f;
+        for (int64_t e = 0; e < E; e++) ss += hm[e] * hm[e];
+        const float r = 1.f / sqrtf(ss / (float)E + eps);
+        for (int64_t e = 0; e < E; e++) xm[e] = hm[e] * r * load1(w, e, bf16);
+    }
+}
+
+/* One decode step of n <= 4 sequences through every layer. ids [n]; cos, sin [n, D]
+   (sin already signed: rotate(x)[d] = x[d] cos[d] + x[(d + D/2) % D] sin[d]); tables
+   [n, width] and ctx [n] as the decode kernel takes them (the new token is at position
+   ctx - 1). out [n, E] gets the final-normed hidden states; scratch holds
+   n * (2E + (H + 2KVH) D + H D + 3I) floats. */
+void fused_forward(const FusedModel* M, int64_t n, const int64_t* ids, const float* cos,
+                   const float* sin, const int64_t* tables, int64_t width,
+                   const int64_t* ctx, float* out, float* scratch, int nthreads) {
+    const int64_t E = M->hidden, I = M->inter, H = M->heads, KVH = M->kv_heads,
+                  D = M->head_dim, G = H / KVH, bs = M->block_size, nb = M->num_blocks;
+    const int64_t QKV = (H + 2 * KVH) * D, bf16 = M->bf16;
+    float* h = scratch;            /* [n, E] residual stream */
+    float* x = h + n * E;          /* [n, E] normed */
+    float* qkv = x + n * E;        /* [n, QKV] */
+    float* att = qkv + n * QKV;    /* [n, H D] */
+    float* gu = att + n * H * D;   /* [n, 2 I] */
+    float* act = gu + n * 2 * I;   /* [n, I] */
+    const int64_t max_len = width * bs;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        float* s = (float*)malloc(sizeof(float) * (G * max_len + G * D + D));
+        float* acc = s + G * max_len;
+        float* tmp = acc + G * D;
+        const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        for (int64_t m = tid; m < n; m += nt)
+            for (int64_t e = 0; e < E; e++) h[m * E + e] = load1(M->embed, ids[m] * E + e, bf16);
+        #pragma omp barrier
+        for (int64_t l = 0; l < M->layers; l++) {
+            const FusedLayer* L = M->layer + l;
+            norm_rows(h, x, n, E, L->in_norm, M->eps, bf16);
+            #pragma omp barrier
+            gemm_share(x, n, E, L->qkv_w, L->qkv_b, qkv, QKV, 0, bf16);
+            #pragma omp barrier
+            /* rotary on q and k heads, then k and v into the cache */
+            for (int64_t m = tid; m < n; m += nt) {
+                float* row = qkv + m * QKV;
+                const float* c = cos + m * D;
+                const float* sn = sin + m * D;
+                for (int64_t hh = 0; hh < H + KVH; hh++) {
+                    float* v = row + hh * D;
+                    for (int64_t d = 0; d < D; d++)
+                        tmp[d] = v[d] * c[d] + v[(d + D / 2) % D] * sn[d];
+                    memcpy(v, tmp, sizeof(float) * D);
+                }
+                const int64_t pos = ctx[m] - 1;
+                const int64_t slot = tables[m * width + pos / bs] * bs + pos % bs;
+                for (int64_t j = 0; j < KVH; j++) {
+                    const float* kv_k = row + (H + j) * D;
+                    const float* kv_v = row + (H + KVH + j) * D;
+                    const int64_t at = (j * nb * bs + slot) * D;
+                    if (bf16) {
+                        uint16_t* kc = (uint16_t*)L->k_cache + at;
+                        uint16_t* vc = (uint16_t*)L->v_cache + at;
+                        for (int64_t d = 0; d < D; d++) {
+                            kc[d] = f32_to_bf16(kv_k[d]);
+                            vc[d] = f32_to_bf16(kv_v[d]);
+                        }
+                    } else {
+                        memcpy((float*)L->k_cache + at, kv_k, sizeof(float) * D);
+                        memcpy((float*)L->v_cache + at, kv_v, sizeof(float) * D);
+                    }
+                }
+            }
+            #pragma omp barrier
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t task = 0; task < n * KVH; task++) {
+                const int64_t b = task / KVH, j = task % KVH;
+                const float* qb = qkv + b * QKV + j * G * D;
+                const int64_t* table = tables + b * width;
+                memset(acc, 0, sizeof(float) * G * D);
+#define ATTEND(TASK, T, GG) TASK(qb, (const T*)L->k_cache, (const T*)L->v_cache, table, \
+                                 ctx[b], j, nb, bs, D, M->scale, s, acc, GG)
+#define ATTEND_G(TASK, T) switch (G) {                                                  \
+                case 1: ATTEND(TASK, T, 1); break;                                      \
+                case 2: ATTEND(TASK, T, 2); break;                                      \
+                case 4: ATTEND(TASK, T, 4); break;                                      \
+                default: ATTEND(TASK, T, 8); break;                                     \
+                }
+                if (bf16) { ATTEND_G(task_bf16, uint16_t) } else { ATTEND_G(task_f32, float) }
+#undef ATTEND_G
+#undef ATTEND
+                memcpy(att + b * H * D + j * G * D, acc, sizeof(float) * G * D);
+            }  /* implicit barrier */
+            gemm_share(att, n, H * D, L->o_w, L->o_b, h, E, 1, bf16);
+            #pragma omp barrier
+            norm_rows(h, x, n, E, L->post_norm, M->eps, bf16);
+            #pragma omp barrier
+            gemm_share(x, n, E, L->gate_up_w, NULL, gu, 2 * I, 0, bf16);
+            #pragma omp barrier
+            {
+                int64_t lo, hi;
+                share(n * I, 8, &lo, &hi);
+                for (int64_t i = lo; i < hi; i++) {
+                    const int64_t m = i / I, c = i % I;
+                    const float g = gu[m * 2 * I + c];
+                    act[i] = g / (1.f + expf(-g)) * gu[m * 2 * I + I + c];
+                }
+            }
+            #pragma omp barrier
+            gemm_share(act, n, I, L->down_w, NULL, h, E, 1, bf16);
+            #pragma omp barrier
+        }
+        norm_rows(h, out, n, E, M->final_norm, M->eps, bf16);
+        free(s);
+    }
+}
+
+/* y [n, N] = x [n, K] w^T (+ bias), n <= 4: the LM head of a fused step. */
+void fused_linear(const float* x, int64_t n, int64_t K, const void* w, const void* bias,
+                  float* y, int64_t N, int64_t bf16, int nthreads) {
+    #pragma omp parallel num_threads(nthreads)
+    gemm_share(x, n, K, w, bias, y, N, 0, (int)bf16);
+}
+
+int fused_available(void) { return 1; }
+#endif
+"""
+
+
+_LAYER_FIELDS = ("qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "down_w", "in_norm", "post_norm",
+                 "k_cache", "v_cache")
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in _LAYER_FIELDS]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [*((name, ctypes.c_int64) for name in (
+        "layers", "hidden", "inter", "heads", "kv_heads", "head_dim", "num_blocks",
+        "block_size", "bf16")),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("embed", ctypes.c_void_p), ("final_norm", ctypes.c_void_p),
+        ("layer", ctypes.POINTER(_Layer))]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class FusedDecoder:
+    """The fused step bound to one model's weights (and, at first use, its KV cache)."""
+
+    def __init__(self, lib: ctypes.CDLL, model: LlamaForCausalLM) -> None:
+        self._forward = lib.fused_forward
+        self._forward.restype = None
+        self._forward.argtypes = [ctypes.POINTER(_Model), ctypes.c_int64, *[ctypes.c_void_p] * 4,
+                                  ctypes.c_int64, *[ctypes.c_void_p] * 3, ctypes.c_int]
+        self._linear = lib.fused_linear
+        self._linear.restype = None
+        self._linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+        self.model = model
+        self.dtype = model.dtype
+        self._caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._struct: _Model | None = None
+        self._layers: ctypes.Array[_Layer] | None = None
+        cfg = model.config
+        self._scratch_per_row = (2 * cfg.hidden_size + (cfg.num_attention_heads
+                                 + 2 * cfg.num_key_value_heads) * cfg.head_dim
+                                 + cfg.q_size + 3 * cfg.intermediate_size)
+
+    @staticmethod
+    def supports(model: LlamaForCausalLM) -> bool:
+        """Whether the fused step can run ``model`` (dtype, shapes, layout)."""
+        cfg = model.config
+        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        m = model.model
+        weights = [m.embed_tokens.weight, model.lm_head_weight]
+        layers: list[Any] = list(m.layers)
+        for layer in layers:
+            weights += [layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight,
+                        layer.mlp.gate_up_weight, layer.mlp.down_proj.weight]
+        return (model.dtype in (torch.bfloat16, torch.float32)
+                and m.embed_tokens.weight.device.type == "cpu"
+                and cfg.head_dim % 16 == 0 and heads % kv_heads == 0
+                and heads // kv_heads in (1, 2, 4, 8)
+                and cfg.hidden_size % 8 == 0 and cfg.intermediate_size % 8 == 0
+                and cfg.q_size % 8 == 0
+                and all(w.is_contiguous() for w in weights))
+
+    def _bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> _Model:
+        if self._struct is not None and self._caches is kv_caches:
+            return self._struct
+        for k, v in kv_caches:
+            if k.dtype != self.dtype or v.dtype != self.dtype or not k.is_contiguous() \
+                    or not v.is_contiguous():
+                raise ValueError("fused decode: the KV cache must be contiguous and in the "
+                                 "model dtype")
+        model, cfg = self.model, self.model.config
+        layers = (_Layer * cfg.num_hidden_layers)()
+        modules: list[Any] = list(model.model.layers)
+        for i, (layer, (k, v)) in enumerate(zip(modules, kv_caches, strict=True)):
+            attn, mlp = layer.self_attn, layer.mlp
+            layers[i] = _Layer(
+                _ptr(attn.qkv_weight), _ptr(attn.qkv_bias), _ptr(attn.o_proj.weight),
+                _ptr(attn.o_proj.bias), _ptr(mlp.gate_up_weight), _ptr(mlp.down_proj.weight),
+                _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
+                _ptr(k), _ptr(v))
+        k0 = kv_caches[0][0]
+        self._struct = _Model(
+            cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size,
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, k0.shape[1],
+            k0.shape[2], int(self.dtype == torch.bfloat16), cfg.rms_norm_eps,
+            cfg.head_dim ** -0.5, _ptr(model.model.embed_tokens.weight),
+            _ptr(model.model.norm.weight), layers)
+        self._layers, self._caches = layers, kv_caches
+        return self._struct
+
+    def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                tables: torch.Tensor, context_lens: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                scratch: torch.Tensor) -> torch.Tensor:
+        """Decode step of n <= MAX_ROWS sequences (token i is sequence i); returns the
+        final-normed hidden states [n, hidden] in float32.
+
+        cos, sin: float32 [n, head_dim] (``RotaryEmbedding.cos_sin``); tables [n, width],
+        context_lens [n] int64 (``DecodeGroup``); scratch: float32, at least
+        ``scratch_numel(n)`` elements.
+        """
+        n = input_ids.shape[0]
+        if not 1 <= n <= MAX_ROWS:
+            raise ValueError(f"fused decode takes 1..{MAX_ROWS} sequences, got {n}")
+        struct = self._bind(kv_caches)
+        out = torch.empty((n, self.model.config.hidden_size), dtype=torch.float32)
+        self._forward(ctypes.byref(struct), n, input_ids.data_ptr(), cos.data_ptr(),
+                      sin.data_ptr(), tables.data_ptr(), tables.shape[1],
+                      context_lens.data_ptr(), out.data_ptr(), scratch.data_ptr(),
+                      torch.get_num_threads())
+        return out
+
+    def scratch_numel(self, n: int) -> int:
+        return n * self._scratch_per_row
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        """x [n <= MAX_ROWS, K] float32 -> x weight^T (+ bias) [n, N] float32."""
+        n, k = x.shape
+        if x.dtype != torch.float32 or not x.is_contiguous() or not 1 <= n <= MAX_ROWS:
+            raise ValueError("fused linear: x must be contiguous float32 with 1..4 rows")
+        y = torch.empty((n, weight.shape[0]), dtype=torch.float32)
+        self._linear(x.data_ptr(), n, k, weight.data_ptr(), _ptr(bias), y.data_ptr(),
+                     weight.shape[0], int(weight.dtype == torch.bfloat16),
+                     torch.get_num_threads())
+        return y

@@ -1,0 +1,156 @@
+"""The fused small-batch decode step (one C call for every layer) against transformers and
+against the torch-ops path it replaces."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from backend.engine.decode_kernel import DecodeKernel, load_decode_kernel
+from backend.engine.fused_decode import MAX_ROWS, FusedDecoder
+from backend.engine.loader import load_model
+from backend.engine.models.llama import LlamaForCausalLM
+from tests.backend.engine.conftest_models import PagedRunner, hf_logits, save_hf_checkpoint
+from tests.backend.engine.test_decode_kernel import no_compiler
+
+pytest.importorskip("transformers")
+
+KINDS = ["llama3", "llama_tied", "mistral", "qwen2"]  # qwen2: q/k/v biases
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> DecodeKernel:
+    k = load_decode_kernel(tmp_path_factory.mktemp("kernels"))
+    if k is None:
+        no_compiler()
+    return k
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class _Spy:
+    """Counts the fused forward calls and the rows they ran."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        assert model.fused is not None, "the fused step should serve this model"
+        self.rows: list[int] = []
+        inner = model.fused.forward
+
+        def forward(input_ids: torch.Tensor, *args: Any) -> torch.Tensor:
+            self.rows.append(input_ids.shape[0])
+            return inner(input_ids, *args)
+
+        model.fused.forward = forward  # type: ignore[method-assign]
+
+
+def _fast(path: Path, dtype: torch.dtype, kernel: DecodeKernel) -> tuple[Any, _Spy]:
+    """The model as the engine builds it on the CPU: prepacked matmuls, kernel, fused."""
+    loaded = load_model(path, dtype, torch.device("cpu"))
+    loaded.model.prepack_cpu_matmuls()
+    loaded.model.set_decode_kernel(kernel)
+    return loaded, _Spy(loaded.model)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_decode_matches_hf(tmp_path: Path, kernel: DecodeKernel, kind: str) -> None:
+    """Decode steps of 1, 2 and 3 sequences on shuffled blocks, float32: every logit row
+    within 1e-4 of transformers."""
+    hf = save_hf_checkpoint(kind, tmp_path, seed=3)
+    loaded, spy = _fast(tmp_path, torch.float32, kernel)
+    seqs = [_tokens(30, 20), _tokens(26, 21), _tokens(23, 22)]
+    runner = PagedRunner(loaded.model, loaded.config, block_size=4, seed=9)
+    got: dict[int, list[torch.Tensor]] = {0: [], 1: [], 2: []}
+    fed = [20, 17, 15]  # prefill lengths, then one token per decode
+
+    def run(sids: list[int]) -> None:
+        work = []
+        for sid in sids:
+            n = 1 if got[sid] else fed[sid]
+            start = fed[sid] if got[sid] else 0
+            work.append((sid, seqs[sid][start:start + n]))
+            if got[sid]:
+                fed[sid] += 1
+        for (sid, _), rows in zip(work, runner.step(work), strict=True):
+            got[sid].append(rows)
+
+    run([0, 1, 2])  # prefill (torch ops)
+    for _ in range(2):  # one sequence alone, then two, then all three, in mixed orders
+        run([0])
+        run([1, 0])
+        run([2, 0, 1])
+    assert sorted(set(spy.rows)) == [1, 2, 3]
+    for sid, toks in enumerate(seqs):
+        ours = torch.cat(got[sid])
+        ref = hf_logits(hf, toks[:ours.shape[0]])
+        diff = (ours - ref).abs().max().item()
+        assert diff <= 1e-4, f"{kind}: sequence {sid} max abs diff {diff}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_decode_matches_torch_path_up_to_max_rows(tmp_path: Path, kernel: DecodeKernel,
+                                                        dtype: torch.dtype) -> None:
+    """Batches of 1..MAX_ROWS + 1 decodes: the fused step (up to MAX_ROWS) and the torch
+    path it replaces agree; the K/V it writes into the cache agree too."""
+    save_hf_checkpoint("qwen2", tmp_path, seed=5)
+    plain = load_model(tmp_path, dtype, torch.device("cpu"))
+    plain.model.prepack_cpu_matmuls()
+    plain.model.set_decode_kernel(kernel, fused=False)
+    assert plain.model.fused is None
+    fast, spy = _fast(tmp_path, dtype, kernel)
+    n = MAX_ROWS + 1
+    prompts = [_tokens(5 + 3 * i, 40 + i) for i in range(n)]
+    runners = [PagedRunner(m.model, m.config, dtype=dtype, num_blocks=128, seed=2)
+               for m in (plain, fast)]
+    for r in runners:
+        r.step([(i, p) for i, p in enumerate(prompts)])
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    for rows in range(1, n + 1):
+        work = [(i, [7 * rows + i]) for i in reversed(range(rows))]
+        ref, got = (torch.cat(r.step(work)) for r in runners)
+        diff = (got - ref).abs().max().item()
+        assert diff <= tol, f"{rows} rows: max abs diff {diff}"
+        assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    assert spy.rows == list(range(1, MAX_ROWS + 1))  # MAX_ROWS + 1 ran the torch path
+    for (k_ref, v_ref), (k_got, v_got) in zip(runners[0].kv, runners[1].kv, strict=True):
+        assert (k_got.float() - k_ref.float()).abs().max().item() <= tol
+        assert (v_got.float() - v_ref.float()).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
+def test_fused_linear(kernel: DecodeKernel, tmp_path: Path, dtype: torch.dtype,
+                      rows: int) -> None:
+    save_hf_checkpoint("llama3", tmp_path, seed=1)
+    loaded = load_model(tmp_path, dtype, torch.device("cpu"))
+    loaded.model.set_decode_kernel(kernel)
+    fused = loaded.model.fused
+    assert fused is not None
+    gen = torch.Generator().manual_seed(rows)
+    # 200 output rows: not a multiple of the 8-row shares; a bias on every row
+    w = torch.randn(200, 64, generator=gen).to(dtype)
+    b = torch.randn(200, generator=gen).to(dtype)
+    x = torch.randn(rows, 64, generator=gen)
+    ref = x @ w.float().T + b.float()
+    got = fused.linear(x, w, b)
+    assert got.dtype == torch.float32 and got.shape == (rows, 200)
+    assert (got - ref).abs().max().item() <= 1e-4
+    with pytest.raises(ValueError, match="rows"):
+        fused.linear(torch.randn(MAX_ROWS + 1, 64), w, None)
+
+
+def test_unsupported_models_keep_the_torch_path(tmp_path: Path, kernel: DecodeKernel) -> None:
+    save_hf_checkpoint("llama3", tmp_path, seed=1)
+    half = load_model(tmp_path, torch.float16, torch.device("cpu"))
+    half.model.set_decode_kernel(kernel)
+    assert half.model.fused is None and half.model.decode_kernel is kernel
+    ok = load_model(tmp_path, torch.float32, torch.device("cpu"))
+    assert FusedDecoder.supports(ok.model)
+    # the AVX2 kernels need head_dim % 16 == 0
+    ok.model.config = dataclasses.replace(ok.model.config, head_dim=8)
+    assert not FusedDecoder.supports(ok.model)
