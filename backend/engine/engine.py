@@ -17,7 +17,7 @@ import torch
 from .block_manager import BlockManager
 from .errors import InvalidRequestError, PromptTooLongError
 from .outputs import EngineState, OutputDelta, RequestMetrics
-from .sampler import make_generator, sample
+from .sampler import make_generator, sample, torch_argmax
 from .sampling import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import FinishReason, Sequence, SequenceStatus
@@ -89,6 +89,8 @@ class LLMEngine:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.runner = runner
+        # the runner's native argmax for greedy rows, where it has one
+        self._argmax = getattr(runner, "argmax", None) or torch_argmax
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_cache)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -210,7 +212,7 @@ class LLMEngine:
         sampling = [c.seq for c in out.chunks if c.samples]
         params = [s.params for s in sampling]
         gens = [self._generator(s) for s in sampling]
-        tokens = sample(logits, params, gens)
+        tokens = sample(logits, params, gens, self._argmax)
         deltas: list[OutputDelta] = []
         for seq, tok in zip(sampling, tokens):
             delta = self._append_token(seq, tok, now)

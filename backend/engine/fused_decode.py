@@ -158,7 +158,93 @@ static void norm_rows(const float* h, float* x, int64_t n, int64_t E, const void
     }
 }
 
-/* One decode step of n <= 4 sequences through every layer. ids [n]; cos, sin [n, D]
+/* Rotary on the q and k heads of this thread's rows of qkv [n, QKV] (in place), then
+   their k and v into the layer's paged cache (rounded to its dtype). tmp: D floats. */
+static void rope_write_rows(const FusedModel* M, const FusedLayer* L, float* qkv, int64_t n,
+                            const float* cos, const float* sin, const int64_t* tables,
+                            int64_t width, const int64_t* ctx, float* tmp) {
+    const int64_t H = M->heads, KVH = M->kv_heads, D = M->head_dim, bs = M->block_size,
+                  nb = M->num_blocks, QKV = (H + 2 * KVH) * D;
+    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    for (int64_t m = tid; m < n; m += nt) {
+        float* row = qkv + m * QKV;
+        const float* c = cos + m * D;
+        const float* sn = sin + m * D;
+        for (int64_t hh = 0; hh < H + KVH; hh++) {
+            float* v = row + hh * D;
+            for (int64_t d = 0; d < D; d++) tmp[d] = v[d] * c[d] + v[(d + D / 2) % D] * sn[d];
+            memcpy(v, tmp, sizeof(float) * D);
+        }
+        const int64_t pos = ctx[m] - 1;
+        const int64_t slot = tables[m * width + pos / bs] * bs + pos % bs;
+        for (int64_t j = 0; j < KVH; j++) {
+            const float* kv_k = row + (H + j) * D;
+            const float* kv_v = row + (H + KVH + j) * D;
+            const int64_t at = (j * nb * bs + slot) * D;
+            if (M->bf16) {
+                uint16_t* kc = (uint16_t*)L->k_cache + at;
+                uint16_t* vc = (uint16_t*)L->v_cache + at;
+                for (int64_t d = 0; d < D; d++) {
+                    kc[d] = f32_to_bf16(kv_k[d]);
+                    vc[d] = f32_to_bf16(kv_v[d]);
+                }
+            } else {
+                memcpy((float*)L->k_cache + at, kv_k, sizeof(float) * D);
+                memcpy((float*)L->v_cache + at, kv_v, sizeof(float) * D);
+            }
+        }
+    }
+}
+
+/* Decode attention of the n rows of qkv (keys already in the cache) into att [n, H D]:
+   one task per (row, KV head), shared out dynamically; ends with a barrier. s: G * max
+   context floats, acc: G * D floats, both the calling thread's. */
+static void attend_rows(const FusedModel* M, const FusedLayer* L, const float* qkv, int64_t n,
+                        const int64_t* tables, int64_t width, const int64_t* ctx, float* att,
+                        float* s, float* acc) {
+    const int64_t H = M->heads, KVH = M->kv_heads, D = M->head_dim, G = H / KVH,
+                  bs = M->block_size, nb = M->num_blocks, QKV = (H + 2 * KVH) * D;
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < n * KVH; task++) {
+        const int64_t b = task / KVH, j = task % KVH;
+        const float* qb = qkv + b * QKV + j * G * D;
+        const int64_t* table = tables + b * width;
+        memset(acc, 0, sizeof(float) * G * D);
+#define ATTEND(TASK, T, GG) TASK(qb, (const T*)L->k_cache, (const T*)L->v_cache, table, \
+                                 ctx[b], j, nb, bs, D, M->scale, s, acc, GG)
+#define ATTEND_G(TASK, T) switch (G) {                                                  \
+        case 1: ATTEND(TASK, T, 1); break;                                              \
+        case 2: ATTEND(TASK, T, 2); break;                                              \
+        case 4: ATTEND(TASK, T, 4); break;                                              \
+        default: ATTEND(TASK, T, 8); break;                                             \
+        }
+        if (M->bf16) { ATTEND_G(task_bf16, uint16_t) } else { ATTEND_G(task_f32, float) }
+#undef ATTEND_G
+#undef ATTEND
+        memcpy(att + b * H * D + j * G * D, acc, sizeof(float) * G * D);
+    }
+}
+
+/* act [n, I] = silu(gu[:, :I]) * gu[:, I:], this thread's share. */
+static void silu_mul_share(const float* gu, float* act, int64_t n, int64_t I) {
+    int64_t lo, hi;
+    share(n * I, 8, &lo, &hi);
+    for (int64_t i = lo; i < hi;) {  /* row by row, so the inner loop vectorizes */
+        const int64_t m = i / I, c0 = i % I, c1 = hi - m * I < I ? hi - m * I : I;
+        const float* g = gu + m * 2 * I;
+        const float* u = g + I;
+        float* a = act + m * I;
+        for (int64_t c = c0; c < c1; c++) a[c] = g[c] / (1.f + expf(-g[c])) * u[c];
+        i = m * I + c1;
+    }
+}
+
+static float* attention_scratch(const FusedModel* M, int64_t width) {
+    const int64_t G = M->heads / M->kv_heads, D = M->head_dim;
+    return (float*)malloc(sizeof(float) * (G * width * M->block_size + G * D + D));
+}
+
+/* One decode step of n <= 8 sequences through every layer. ids [n]; cos, sin [n, D]
    (sin already signed: rotate(x)[d] = x[d] cos[d] + x[(d + D/2) % D] sin[d]); tables
    [n, width] and ctx [n] as the decode kernel takes them (the new token is at position
    ctx - 1). out [n, E] gets the final-normed hidden states; scratch holds
@@ -167,7 +253,7 @@ void fused_forward(const FusedModel* M, int64_t n, const int64_t* ids, const flo
                    const float* sin, const int64_t* tables, int64_t width,
                    const int64_t* ctx, float* out, float* scratch, int nthreads) {
     const int64_t E = M->hidden, I = M->inter, H = M->heads, KVH = M->kv_heads,
-                  D = M->head_dim, G = H / KVH, bs = M->block_size, nb = M->num_blocks;
+                  D = M->head_dim, G = H / KVH;
     const int64_t QKV = (H + 2 * KVH) * D, bf16 = M->bf16;
     float* h = scratch;            /* [n, E] residual stream */
     float* x = h + n * E;          /* [n, E] normed */
@@ -175,11 +261,10 @@ void fused_forward(const FusedModel* M, int64_t n, const int64_t* ids, const flo
     float* att = qkv + n * QKV;    /* [n, H D] */
     float* gu = att + n * H * D;   /* [n, 2 I] */
     float* act = gu + n * 2 * I;   /* [n, I] */
-    const int64_t max_len = width * bs;
     #pragma omp parallel num_threads(nthreads)
     {
-        float* s = (float*)malloc(sizeof(float) * (G * max_len + G * D + D));
-        float* acc = s + G * max_len;
+        float* s = attention_scratch(M, width);
+        float* acc = s + G * width * M->block_size;
         float* tmp = acc + G * D;
         const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
         for (int64_t m = tid; m < n; m += nt)
@@ -191,71 +276,16 @@ void fused_forward(const FusedModel* M, int64_t n, const int64_t* ids, const flo
             #pragma omp barrier
             gemm_share(x, n, E, L->qkv_w, L->qkv_b, qkv, QKV, 0, bf16);
             #pragma omp barrier
-            /* rotary on q and k heads, then k and v into the cache */
-            for (int64_t m = tid; m < n; m += nt) {
-                float* row = qkv + m * QKV;
-                const float* c = cos + m * D;
-                const float* sn = sin + m * D;
-                for (int64_t hh = 0; hh < H + KVH; hh++) {
-                    float* v = row + hh * D;
-                    for (int64_t d = 0; d < D; d++)
-                        tmp[d] = v[d] * c[d] + v[(d + D / 2) % D] * sn[d];
-                    memcpy(v, tmp, sizeof(float) * D);
-                }
-                const int64_t pos = ctx[m] - 1;
-                const int64_t slot = tables[m * width + pos / bs] * bs + pos % bs;
-                for (int64_t j = 0; j < KVH; j++) {
-                    const float* kv_k = row + (H + j) * D;
-                    const float* kv_v = row + (H + KVH + j) * D;
-                    const int64_t at = (j * nb * bs + slot) * D;
-                    if (bf16) {
-                        uint16_t* kc = (uint16_t*)L->k_cache + at;
-                        uint16_t* vc = (uint16_t*)L->v_cache + at;
-                        for (int64_t d = 0; d < D; d++) {
-                            kc[d] = f32_to_bf16(kv_k[d]);
-                            vc[d] = f32_to_bf16(kv_v[d]);
-                        }
-                    } else {
-                        memcpy((float*)L->k_cache + at, kv_k, sizeof(float) * D);
-                        memcpy((float*)L->v_cache + at, kv_v, sizeof(float) * D);
-                    }
-                }
-            }
+            rope_write_rows(M, L, qkv, n, cos, sin, tables, width, ctx, tmp);
             #pragma omp barrier
-            #pragma omp for schedule(dynamic, 1)
-            for (int64_t task = 0; task < n * KVH; task++) {
-                const int64_t b = task / KVH, j = task % KVH;
-                const float* qb = qkv + b * QKV + j * G * D;
-                const int64_t* table = tables + b * width;
-                memset(acc, 0, sizeof(float) * G * D);
-#define ATTEND(TASK, T, GG) TASK(qb, (const T*)L->k_cache, (const T*)L->v_cache, table, \
-                                 ctx[b], j, nb, bs, D, M->scale, s, acc, GG)
-#define ATTEND_G(TASK, T) switch (G) {                                                  \
-                case 1: ATTEND(TASK, T, 1); break;                                      \
-                case 2: ATTEND(TASK, T, 2); break;                                      \
-                case 4: ATTEND(TASK, T, 4); break;                                      \
-                default: ATTEND(TASK, T, 8); break;                                     \
-                }
-                if (bf16) { ATTEND_G(task_bf16, uint16_t) } else { ATTEND_G(task_f32, float) }
-#undef ATTEND_G
-#undef ATTEND
-                memcpy(att + b * H * D + j * G * D, acc, sizeof(float) * G * D);
-            }  /* implicit barrier */
+            attend_rows(M, L, qkv, n, tables, width, ctx, att, s, acc);
             gemm_share(att, n, H * D, L->o_w, L->o_b, h, E, 1, bf16);
             #pragma omp barrier
             norm_rows(h, x, n, E, L->post_norm, M->eps, bf16);
             #pragma omp barrier
             gemm_share(x, n, E, L->gate_up_w, NULL, gu, 2 * I, 0, bf16);
             #pragma omp barrier
-            {
-                int64_t lo, hi;
-                share(n * I, 8, &lo, &hi);
-                for (int64_t i = lo; i < hi; i++) {
-                    const int64_t m = i / I, c = i % I;
-                    const float g = gu[m * 2 * I + c];
-                    act[i] = g / (1.f + expf(-g)) * gu[m * 2 * I + I + c];
-                }
-            }
+            silu_mul_share(gu, act, n, I);
             #pragma omp barrier
             gemm_share(act, n, I, L->down_w, NULL, h, E, 1, bf16);
             #pragma omp barrier
@@ -265,11 +295,72 @@ void fused_forward(const FusedModel* M, int64_t n, const int64_t* ids, const flo
     }
 }
 
-/* y [n, N] = x [n, K] w^T (+ bias), n <= 4: the LM head of a fused step. */
+/* y [n, N] = x [n, K] w^T (+ bias), n <= 8: the LM head of a fused step. */
 void fused_linear(const float* x, int64_t n, int64_t K, const void* w, const void* bias,
                   float* y, int64_t N, int64_t bf16, int nthreads) {
     #pragma omp parallel num_threads(nthreads)
     gemm_share(x, n, K, w, bias, y, N, 0, (int)bf16);
+}
+
+/* Larger decode steps run their matmuls in oneDNN; these are the pieces between them. */
+
+/* Layer `layer`: rotary on qkv [n, QKV] (in place), K/V into the cache, attention into
+   att [n, H D]. */
+void fused_rope_attend(const FusedModel* M, int64_t layer, float* qkv, int64_t n,
+                       const float* cos, const float* sin, const int64_t* tables,
+                       int64_t width, const int64_t* ctx, float* att, int nthreads) {
+    const FusedLayer* L = M->layer + layer;
+    const int64_t G = M->heads / M->kv_heads, D = M->head_dim;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        float* s = attention_scratch(M, width);
+        float* acc = s + G * width * M->block_size;
+        rope_write_rows(M, L, qkv, n, cos, sin, tables, width, ctx, acc + G * D);
+        #pragma omp barrier
+        attend_rows(M, L, qkv, n, tables, width, ctx, att, s, acc);
+        free(s);
+    }
+}
+
+/* h [n, E] += delta (unless NULL); out = rmsnorm(h) * w. */
+void fused_add_norm(float* h, const float* delta, int64_t n, int64_t E, const void* w,
+                    float eps, int64_t bf16, float* out, int nthreads) {
+    #pragma omp parallel num_threads(nthreads)
+    {
+        if (delta) {
+            int64_t lo, hi;
+            share(n * E, 8, &lo, &hi);
+            for (int64_t i = lo; i < hi; i++) h[i] += delta[i];
+            #pragma omp barrier
+        }
+        norm_rows(h, out, n, E, w, eps, (int)bf16);
+    }
+}
+
+/* act [n, I] = silu(gu[:, :I]) * gu[:, I:]. */
+void fused_silu_mul(const float* gu, int64_t n, int64_t I, float* act, int nthreads) {
+    #pragma omp parallel num_threads(nthreads)
+    silu_mul_share(gu, act, n, I);
+}
+
+/* out[m] = the first index of the largest of x[m, :V] (greedy sampling; torch's argmax
+   over a [32, 32000] batch takes ~1 ms on this CPU, one scalar pass per row). Logits are
+   finite (with -ffast-math a NaN would not be picked as torch picks it). */
+void argmax_rows(const float* x, int64_t n, int64_t V, int64_t* out, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t m = 0; m < n; m++) {
+        const float* r = x + m * V;
+        __m256 best = _mm256_set1_ps(-INFINITY);
+        int64_t v = 0;
+        for (; v + 8 <= V; v += 8) best = _mm256_max_ps(best, _mm256_loadu_ps(r + v));
+        float mx = -INFINITY, lanes[8];
+        _mm256_storeu_ps(lanes, best);
+        for (int k = 0; k < 8; k++) mx = lanes[k] > mx ? lanes[k] : mx;
+        for (; v < V; v++) mx = r[v] > mx ? r[v] : mx;
+        int64_t at = 0;
+        while (at < V - 1 && r[at] != mx) at++;
+        out[m] = at;
+    }
 }
 
 int fused_available(void) { return 1; }
@@ -311,6 +402,24 @@ class FusedDecoder:
         self._linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+        self._rope_attend = lib.fused_rope_attend
+        self._rope_attend.restype = None
+        self._rope_attend.argtypes = [ctypes.POINTER(_Model), ctypes.c_int64, ctypes.c_void_p,
+                                      ctypes.c_int64, *[ctypes.c_void_p] * 3, ctypes.c_int64,
+                                      *[ctypes.c_void_p] * 2, ctypes.c_int]
+        self._add_norm = lib.fused_add_norm
+        self._add_norm.restype = None
+        self._add_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_float,
+                                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+        self._silu_mul = lib.fused_silu_mul
+        self._silu_mul.restype = None
+        self._silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                   ctypes.c_void_p, ctypes.c_int]
+        self._argmax = lib.argmax_rows
+        self._argmax.restype = None
+        self._argmax.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                 ctypes.c_void_p, ctypes.c_int]
         self.model = model
         self.dtype = model.dtype
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -404,3 +513,50 @@ class FusedDecoder:
                      weight.shape[0], int(weight.dtype == torch.bfloat16),
                      torch.get_num_threads())
         return y
+
+    def forward_packed(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       tables: torch.Tensor, context_lens: torch.Tensor,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Decode step of more than ``MAX_ROWS`` sequences: the matmuls run oneDNN's
+        prepacked float32 weights (``prepack_cpu_matmuls`` first), everything between them
+        runs here, one call per piece: norms fused with the residual adds, rotary + K/V
+        write + attention, silu * up. Same arguments and result as ``forward``."""
+        model = self.model
+        struct = self._bind(kv_caches)
+        threads = torch.get_num_threads()
+        layers: list[Any] = list(model.model.layers)
+        cfg = model.config
+        n, hidden, inter = input_ids.shape[0], cfg.hidden_size, cfg.intermediate_size
+        h = torch.nn.functional.embedding(input_ids, model.model.embed_tokens.weight).float()
+        x = torch.empty_like(h)
+        att = torch.empty((n, cfg.q_size), dtype=torch.float32)
+        act = torch.empty((n, inter), dtype=torch.float32)
+        bf16, eps = int(self.dtype == torch.bfloat16), cfg.rms_norm_eps
+        width, tables_p, ctx_p = tables.shape[1], tables.data_ptr(), context_lens.data_ptr()
+        norms = [layer.input_layernorm.weight for layer in layers] + [model.model.norm.weight]
+        self._add_norm(h.data_ptr(), None, n, hidden, norms[0].data_ptr(), eps, bf16,
+                       x.data_ptr(), threads)
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = attn.qkv_packed(x)
+            self._rope_attend(ctypes.byref(struct), i, qkv.data_ptr(), n, cos.data_ptr(),
+                              sin.data_ptr(), tables_p, width, ctx_p, att.data_ptr(), threads)
+            o = attn.o_packed(att)
+            self._add_norm(h.data_ptr(), o.data_ptr(), n, hidden,
+                           layer.post_attention_layernorm.weight.data_ptr(), eps, bf16,
+                           x.data_ptr(), threads)
+            gate_up = mlp.gate_up_packed(x)
+            self._silu_mul(gate_up.data_ptr(), n, inter, act.data_ptr(), threads)
+            down = mlp.down_packed(act)
+            self._add_norm(h.data_ptr(), down.data_ptr(), n, hidden, norms[i + 1].data_ptr(),
+                           eps, bf16, x.data_ptr(), threads)
+        return x
+
+    def argmax(self, logits: torch.Tensor) -> list[int]:
+        """``logits.argmax(dim=-1).tolist()`` for finite float32 CPU logits [n, vocab]."""
+        if logits.dtype != torch.float32 or logits.dim() != 2 or not logits.is_contiguous():
+            return logits.argmax(dim=-1).tolist()
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        self._argmax(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr(),
+                     torch.get_num_threads())
+        return out.tolist()

@@ -5,6 +5,8 @@ Together with ``models/`` and ``attention.py`` this is the only code that touche
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from .attention import build_attention_batch
@@ -23,6 +25,14 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+
+    def argmax(self, logits: torch.Tensor) -> list[int]:
+        """Greedy picks for ``execute``'s logits: the model's native argmax where it has one
+        (``FusedDecoder.argmax``), else torch's."""
+        fused = getattr(self.model, "fused", None)
+        if fused is not None:
+            return cast(list[int], fused.argmax(logits))
+        return cast(list[int], logits.argmax(dim=-1).tolist())
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:

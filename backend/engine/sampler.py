@@ -7,9 +7,17 @@ so a request's tokens do not depend on what else shares its batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .sampling import SamplingParams
+
+Argmax = Callable[[torch.Tensor], list[int]]
+
+
+def torch_argmax(logits: torch.Tensor) -> list[int]:
+    return logits.argmax(dim=-1).tolist()
 
 
 def make_generator(seed: int) -> torch.Generator:
@@ -22,14 +30,18 @@ def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    argmax: Argmax = torch_argmax,
 ) -> list[int]:
-    """Pick one token per row of ``logits`` ([N, vocab], float32 on the CPU)."""
+    """Pick one token per row of ``logits`` ([N, vocab], float32 on the CPU).
+
+    ``argmax``: the first index of each row's largest value, as a list (the model runner's
+    native one where it has it)."""
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     out = [0] * len(params)
     if greedy_rows:
         if len(greedy_rows) == len(params):
-            return logits.argmax(dim=-1).tolist()
-        picks = logits[greedy_rows].argmax(dim=-1).tolist()
+            return argmax(logits)
+        picks = argmax(logits[greedy_rows])
         for i, tok in zip(greedy_rows, picks):
             out[i] = tok
     for i, p in enumerate(params):

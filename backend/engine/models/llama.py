@@ -270,15 +270,20 @@ class LlamaForCausalLM(nn.Module):
         """input_ids/positions [T] -> hidden [T, hidden]; writes the step's K/V."""
         m = self.model
         t, dec = input_ids.shape[0], batch.decode
-        if self.fused is not None and t <= FUSED_MAX_ROWS and dec is not None \
-                and not batch.prefills and dec.token_range == (0, t):
-            # Every token decodes, few of them: one C call (``fused_decode.py``).
+        if self.fused is not None and dec is not None and not batch.prefills \
+                and dec.token_range == (0, t) \
+                and (t <= FUSED_MAX_ROWS or self.lm_head_packed is not None):
+            # Every token decodes (``fused_decode.py``): few of them in one C call, more
+            # with oneDNN's matmuls and C for everything between them.
             cos32, sin32 = m.rotary_emb.cos_sin(positions, torch.float32)
+            tables = dec.block_ids.view(t, dec.blocks_per_seq)
+            if t > FUSED_MAX_ROWS:
+                return self.fused.forward_packed(input_ids, cos32, sin32, tables,
+                                                 dec.context_lens, kv_caches)
             scratch = self.workspace.get("fused", (self.fused.scratch_numel(t),),
                                          torch.float32, input_ids.device)
-            return self.fused.forward(input_ids, cos32, sin32,
-                                      dec.block_ids.view(t, dec.blocks_per_seq),
-                                      dec.context_lens, kv_caches, scratch)
+            return self.fused.forward(input_ids, cos32, sin32, tables, dec.context_lens,
+                                      kv_caches, scratch)
         h = F.embedding(input_ids, m.embed_tokens.weight)
         if self.lm_head_packed is not None and h.dtype != torch.float32 \
                 and h.shape[0] > HALF_MAX_ROWS:

@@ -154,3 +154,44 @@ def test_unsupported_models_keep_the_torch_path(tmp_path: Path, kernel: DecodeKe
     # the AVX2 kernels need head_dim % 16 == 0
     ok.model.config = dataclasses.replace(ok.model.config, head_dim=8)
     assert not FusedDecoder.supports(ok.model)
+
+
+def test_native_argmax_equals_torch(tmp_path: Path, kernel: DecodeKernel) -> None:
+    """Greedy picks: the first index of each row's maximum, ties included, any width."""
+    save_hf_checkpoint("llama3", tmp_path, seed=1)
+    loaded = load_model(tmp_path, torch.float32, torch.device("cpu"))
+    loaded.model.set_decode_kernel(kernel)
+    fused = loaded.model.fused
+    assert fused is not None
+    gen = torch.Generator().manual_seed(0)
+    for rows, vocab in [(1, 300), (5, 32003), (33, 17), (2, 7)]:
+        x = torch.randn(rows, vocab, generator=gen)
+        x[0, vocab // 2] = x[0, -1] = x[0].max() + 1  # a tie: the first wins
+        if rows > 1:
+            x[1, -1] = x[1].max() + 1  # the maximum in the scalar tail
+        assert fused.argmax(x) == x.argmax(dim=-1).tolist()
+    ties = torch.zeros(3, 40)
+    assert fused.argmax(ties) == [0, 0, 0]
+
+
+def test_engine_greedy_uses_the_native_argmax(kernel: DecodeKernel) -> None:
+    from backend.engine.builder import build_engine
+    from backend.engine.config import EngineConfig
+    from backend.engine.sampling import SamplingParams
+
+    parts = build_engine(EngineConfig(model="tiny", kv_blocks=64, max_model_len=128))
+    runner: Any = parts.runner
+    assert runner.model.fused is not None
+    calls: list[int] = []
+    inner = runner.model.fused.argmax
+
+    def spy(logits: torch.Tensor) -> list[int]:
+        calls.append(logits.shape[0])
+        return inner(logits)
+
+    runner.model.fused.argmax = spy
+    core = parts.core
+    core.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0))
+    while core.has_work():
+        core.step()
+    assert calls and set(calls) == {1}
