@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -35,18 +35,22 @@ def _tokens(n: int, seed: int) -> list[int]:
 
 
 class _Spy:
-    """Counts the fused forward calls and the rows they ran."""
+    """Records the rows of each fused step: ``rows`` (all in C), ``packed_rows`` (oneDNN
+    matmuls with C between them)."""
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         assert model.fused is not None, "the fused step should serve this model"
         self.rows: list[int] = []
-        inner = model.fused.forward
+        self.packed_rows: list[int] = []
+        for name, log in (("forward", self.rows), ("forward_packed", self.packed_rows)):
+            inner = getattr(model.fused, name)
 
-        def forward(input_ids: torch.Tensor, *args: Any) -> torch.Tensor:
-            self.rows.append(input_ids.shape[0])
-            return inner(input_ids, *args)
+            def spy(input_ids: torch.Tensor, *args: Any, _inner: Any = inner,
+                    _log: list[int] = log) -> torch.Tensor:
+                _log.append(input_ids.shape[0])
+                return cast(torch.Tensor, _inner(input_ids, *args))
 
-        model.fused.forward = forward  # type: ignore[method-assign]
+            setattr(model.fused, name, spy)
 
 
 def _fast(path: Path, dtype: torch.dtype, kernel: DecodeKernel) -> tuple[Any, _Spy]:
@@ -92,11 +96,37 @@ def test_fused_decode_matches_hf(tmp_path: Path, kernel: DecodeKernel, kind: str
         assert diff <= 1e-4, f"{kind}: sequence {sid} max abs diff {diff}"
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "llama_tied"])
+def test_packed_decode_step_matches_hf(tmp_path: Path, kernel: DecodeKernel, kind: str) -> None:
+    """A decode batch larger than MAX_ROWS (oneDNN matmuls, C norms, rotary, attention and
+    silu between them), float32: within 1e-4 of transformers."""
+    hf = save_hf_checkpoint(kind, tmp_path, seed=6)
+    loaded, spy = _fast(tmp_path, torch.float32, kernel)
+    n = MAX_ROWS + 3
+    seqs = [_tokens(12 + i, 60 + i) for i in range(n)]
+    runner = PagedRunner(loaded.model, loaded.config, block_size=4, num_blocks=128, seed=4)
+    got: dict[int, list[torch.Tensor]] = {i: [] for i in range(n)}
+    prompt = {i: len(s) - 3 for i, s in enumerate(seqs)}
+    for sid, rows in enumerate(runner.step([(i, s[:prompt[i]]) for i, s in enumerate(seqs)])):
+        got[sid].append(rows)
+    for step in range(3):
+        order = list(range(n))[::-1] if step % 2 else list(range(n))
+        work = [(i, [seqs[i][prompt[i] + step]]) for i in order]
+        for (sid, _), rows in zip(work, runner.step(work), strict=True):
+            got[sid].append(rows)
+    assert spy.packed_rows == [n] * 3 and not spy.rows
+    for sid, toks in enumerate(seqs):
+        ours = torch.cat(got[sid])
+        diff = (ours - hf_logits(hf, toks[:ours.shape[0]])).abs().max().item()
+        assert diff <= 1e-4, f"{kind}: sequence {sid} max abs diff {diff}"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_decode_matches_torch_path_up_to_max_rows(tmp_path: Path, kernel: DecodeKernel,
                                                         dtype: torch.dtype) -> None:
-    """Batches of 1..MAX_ROWS + 1 decodes: the fused step (up to MAX_ROWS) and the torch
-    path it replaces agree; the K/V it writes into the cache agree too."""
+    """Batches of 1..MAX_ROWS + 1 decodes: the fused steps (all in C up to MAX_ROWS, oneDNN
+    matmuls with C between them above) and the torch path they replace agree; so does
+    the K/V they write into the cache."""
     save_hf_checkpoint("qwen2", tmp_path, seed=5)
     plain = load_model(tmp_path, dtype, torch.device("cpu"))
     plain.model.prepack_cpu_matmuls()
@@ -116,7 +146,8 @@ def test_fused_decode_matches_torch_path_up_to_max_rows(tmp_path: Path, kernel: 
         diff = (got - ref).abs().max().item()
         assert diff <= tol, f"{rows} rows: max abs diff {diff}"
         assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
-    assert spy.rows == list(range(1, MAX_ROWS + 1))  # MAX_ROWS + 1 ran the torch path
+    assert spy.rows == list(range(1, MAX_ROWS + 1))
+    assert spy.packed_rows == [MAX_ROWS + 1]  # oneDNN's matmuls, C between them
     for (k_ref, v_ref), (k_got, v_got) in zip(runners[0].kv, runners[1].kv, strict=True):
         assert (k_got.float() - k_ref.float()).abs().max().item() <= tol
         assert (v_got.float() - v_ref.float()).abs().max().item() <= tol
