@@ -12,7 +12,8 @@ B sequences at context C:
   in float32, so the fp32 rate is what is achievable; on a GPU the model dtype is faster.
 
 The measured step is the median wall time of ``LLMEngine.step()`` (schedule, forward,
-logits to the CPU, sampling, detokenization) while all B sequences decode (no prefill).
+logits to the CPU, sampling, detokenization) while all B sequences decode (no prefill),
+in rounds, each set against the machine measured right before it.
 """
 
 from __future__ import annotations
@@ -90,12 +91,21 @@ def roofline_s(spec: ModelSpec, dtype: torch.dtype, batch: int, ctx: float,
     return max(nbytes / (machine.copy_gbps * 1e9), flops / (machine.matmul_gflops * 1e9))
 
 
-def decode_step_s(parts: EngineParts, batch: int, ctx: int, steps: int,
-                  token_range: tuple[int, int]) -> tuple[float, float]:
-    """Median ``step()`` time with ``batch`` sequences decoding at context ~``ctx``.
+@dataclass(slots=True, frozen=True)
+class StepRound:
+    seconds: float  # median step time of the round
+    context: float  # mean context during the round
+    machine: Machine  # measured right before the round
 
-    Returns (seconds, mean context during the timed steps).
-    """
+
+def decode_step_rounds(parts: EngineParts, batch: int, ctx: int, steps: int,
+                       token_range: tuple[int, int], rounds: int,
+                       measure: Callable[[], Machine]) -> list[StepRound]:
+    """Median ``step()`` time with ``batch`` sequences decoding at context ~``ctx``, in
+    ``rounds`` rounds of ``steps`` steps, the machine measured right before each: a shared
+    VM's speed drifts by tens of percent within minutes, so each round's step is set
+    against the machine as it was then (the bench reports the median of the rounds'
+    ratios)."""
     core = parts.core
     lo, hi = token_range
     ids = [f"roof-{batch}-{ctx}-{i}" for i in range(batch)]
@@ -103,20 +113,24 @@ def decode_step_s(parts: EngineParts, batch: int, ctx: int, steps: int,
     prefill_steps = -(-batch * ctx // core.scheduler.max_num_batched_tokens) + batch
     for i, rid in enumerate(ids):
         prompt = [lo + (i * 131 + j * 7) % (hi - lo) for j in range(ctx)]
-        core.add_request(rid, prompt, bench_params(steps + prefill_steps + 4))
+        core.add_request(rid, prompt, bench_params(rounds * steps + prefill_steps + 4))
     started: set[str] = set()
     while len(started) < batch:  # prefill (chunked) until every row has its first token
         started.update(d.request_id for d in core.step())
     core.step()  # one decode step untimed: every row now decodes
     seqs = [core.scheduler.get(rid) for rid in ids]
-    ctx_before = sum(s.num_tokens for s in seqs if s is not None) / batch
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        out = core.step()
-        times.append(time.perf_counter() - t0)
-        if len(out) != batch:
-            raise RuntimeError(f"decode step emitted {len(out)} tokens, expected {batch}")
+    out_rounds = []
+    for _ in range(rounds):
+        machine = measure()
+        ctx_before = sum(s.num_tokens for s in seqs if s is not None) / batch
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            out = core.step()
+            times.append(time.perf_counter() - t0)
+            if len(out) != batch:
+                raise RuntimeError(f"decode step emitted {len(out)} tokens, expected {batch}")
+        out_rounds.append(StepRound(statistics.median(times), ctx_before + steps / 2, machine))
     for rid in ids:
         core.abort(rid)
-    return statistics.median(times), ctx_before + steps / 2
+    return out_rounds

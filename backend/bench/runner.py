@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -103,15 +104,21 @@ def run_bench(settings: BenchSettings, device: str = "cpu", dtype: str = "bfloat
         ratios: dict[str, float] = {}
         steps: dict[str, dict[str, float]] = {}
         for b in ROOFLINE_BATCHES:
-            # The machine is measured again right before each step timing: a shared VM's
-            # speed drifts by tens of percent within minutes.
-            here = roofline.measure_machine(dev, torch_dtype, settings.name != "full")
-            t, ctx = roofline.decode_step_s(parts, b, settings.roofline_ctx,
-                                            settings.roofline_steps, w.token_id_range)
-            roof = roofline.roofline_s(spec, torch_dtype, b, ctx, here)
-            ratios[str(b)] = t / roof
-            steps[str(b)] = {"step_ms": t * 1e3, "roofline_ms": roof * 1e3, "context": ctx,
-                             "copy_gbps": here.copy_gbps, "matmul_gflops": here.matmul_gflops}
+            rounds = roofline.decode_step_rounds(
+                parts, b, settings.roofline_ctx, settings.roofline_steps, w.token_id_range,
+                settings.roofline_rounds,
+                lambda: roofline.measure_machine(dev, torch_dtype, settings.name != "full"))
+            roofs = [roofline.roofline_s(spec, torch_dtype, b, r.context, r.machine)
+                     for r in rounds]
+            per_round = [r.seconds / roof for r, roof in zip(rounds, roofs, strict=True)]
+            ratios[str(b)] = statistics.median(per_round)
+            steps[str(b)] = {
+                "step_ms": statistics.median(r.seconds for r in rounds) * 1e3,
+                "roofline_ms": statistics.median(roofs) * 1e3,
+                "context": statistics.median(r.context for r in rounds),
+                "copy_gbps": statistics.median(r.machine.copy_gbps for r in rounds),
+                "matmul_gflops": statistics.median(r.machine.matmul_gflops for r in rounds),
+                "round_ratios": per_round}
         progress("decode/roofline: " + ", ".join(f"B={b} {r:.2f}" for b, r in ratios.items()))
 
         # 3. Prefix cache on (this engine) vs off (a fresh one).

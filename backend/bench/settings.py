@@ -25,6 +25,7 @@ class BenchSettings:
     kv_memory_gib: float
     roofline_ctx: int
     roofline_steps: int
+    roofline_rounds: int  # paired (machine, steps) rounds; the ratio is their median
     prefix_system_len: int
     prefix_suffix_len: tuple[int, int]
     prefix_requests: int
@@ -36,7 +37,7 @@ FULL = BenchSettings(
     name="full", model=FULL_MODEL,
     workload=WorkloadSpec(64, (16, 1024), (8, 512), TOKEN_RANGE),
     load=1.0, max_num_seqs=64, max_num_batched_tokens=512, kv_memory_gib=2.0,
-    roofline_ctx=512, roofline_steps=16,
+    roofline_ctx=512, roofline_steps=16, roofline_rounds=5,
     prefix_system_len=512, prefix_suffix_len=(8, 32), prefix_requests=8,
 )
 
@@ -44,7 +45,7 @@ QUICK = BenchSettings(
     name="quick", model=QUICK_MODEL,
     workload=WorkloadSpec(32, (16, 256), (8, 128), TOKEN_RANGE),
     load=1.0, max_num_seqs=64, max_num_batched_tokens=256, kv_memory_gib=0.25,
-    roofline_ctx=128, roofline_steps=8,
+    roofline_ctx=128, roofline_steps=8, roofline_rounds=3,
     prefix_system_len=512, prefix_suffix_len=(8, 32), prefix_requests=4,
 )
 
@@ -53,6 +54,6 @@ TEST = BenchSettings(
     name="test", model=TEST_MODEL,
     workload=WorkloadSpec(6, (4, 40), (2, 8), TOKEN_RANGE),
     load=1.0, max_num_seqs=32, max_num_batched_tokens=64, kv_memory_gib=0.02,
-    roofline_ctx=16, roofline_steps=2,
+    roofline_ctx=16, roofline_steps=2, roofline_rounds=2,
     prefix_system_len=64, prefix_suffix_len=(2, 6), prefix_requests=2,
 )

@@ -31,9 +31,11 @@ import torch
 if TYPE_CHECKING:
     from .models.llama import LlamaForCausalLM
 
-# Batch sizes served here (measured on the bench model, 2-core AVX2 CPU: at 4 rows the
-# fused step still beats the prepacked fp32 path; see docs/engine.md).
-MAX_ROWS = 8
+# Decode steps of up to this many sequences run all in C (``FusedDecoder.forward``); larger
+# ones keep oneDNN's prepacked matmuls (``forward_packed``). Measured on the bench model's
+# weights (bf16, 2-core AVX2 CPU): the C matmuls beat oneDNN's at 1-32 inputs (32: layers
+# 12.3 against 13.1 ms, LM head 7.8 against 8.4-9.1 ms), tie at 48 and lose at 64.
+MAX_ROWS = 32
 
 SOURCE = r"""
 #ifdef VECTOR
@@ -75,18 +77,18 @@ static inline void share(int64_t n, int64_t align, int64_t* lo, int64_t* hi) {
     if (*lo > n) *lo = n;
 }
 
-/* y[m * ldy + r] (+)= sum_k x[m * K + k] * w[r * K + k] (+ bias[r]) for r in [r0, r1),
-   m < M (compile-time). One row of w at a time, read once for all M inputs, with U
+/* y[m * ldy + r] (+)= sum_{k < K} x[m * ld + k] * w[r * ld + k] (+ bias[r]) for r in
+   [r0, r1), m < M (compile-time). One row of w at a time, read once for all M inputs, with U
    independent accumulators per input. Measured on the bench model's 33 weights (bf16,
    2 threads): one row at a time streams 45-50 GB/s; 8 rows at once (8 interleaved
    streams) only 17 GB/s. K % 8 == 0. */
 #define DEFINE_GEMM(NAME, T, LOAD8, LOAD1)                                              \
 static inline __attribute__((always_inline)) void NAME(                                 \
-        const float* x, int64_t K, const T* w, const T* bias, float* y, int64_t ldy,    \
-        int64_t r0, int64_t r1, int acc, const int64_t M) {                             \
-    const int64_t U = M == 1 ? 4 : M <= 4 ? 2 : 1;                                                   \
+        const float* x, int64_t ld, int64_t K, const T* w, const T* bias, float* y,     \
+        int64_t ldy, int64_t r0, int64_t r1, int acc, const int64_t M) {                \
+    const int64_t U = M == 1 ? 4 : M <= 4 ? 2 : 1;                                      \
     for (int64_t r = r0; r < r1; r++) {                                                 \
-        const T* wr = w + r * K;                                                        \
+        const T* wr = w + r * ld;                                                       \
         __m256 a[8];                                                                    \
         for (int64_t i = 0; i < U * M; i++) a[i] = _mm256_setzero_ps();                 \
         int64_t k = 0;                                                                  \
@@ -95,22 +97,29 @@ static inline __attribute__((always_inline)) void NAME(                         
             for (int64_t u = 0; u < U; u++) {                                           \
                 const __m256 wv = LOAD8(wr + k + 8 * u);                                \
                 for (int64_t m = 0; m < M; m++)                                         \
-                    a[u * M + m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k + 8 * u), \
+                    a[u * M + m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * ld + k + 8 * u), \
                                                    a[u * M + m]);                       \
             }                                                                           \
         }                                                                               \
         for (; k < K; k += 8) {                                                         \
             const __m256 wv = LOAD8(wr + k);                                            \
             for (int64_t m = 0; m < M; m++)                                             \
-                a[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), a[m]);       \
+                a[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * ld + k), a[m]);      \
         }                                                                               \
+        float v[8];                                                                     \
+        if (M == 8) {  /* U == 1: the 8 sums at once */                                 \
+            _mm256_storeu_ps(v, hsum8x8(a));                                            \
+        } else {                                                                        \
+            for (int64_t m = 0; m < M; m++) {                                           \
+                __m256 sum = a[m];                                                      \
+                for (int64_t u = 1; u < U; u++) sum = _mm256_add_ps(sum, a[u * M + m]); \
+                v[m] = hsum8(sum);                                                      \
+            }                                                                           \
+        }                                                                               \
+        const float b = bias ? LOAD1(bias[r]) : 0.f;                                    \
         for (int64_t m = 0; m < M; m++) {                                               \
-            __m256 sum = a[m];                                                          \
-            for (int64_t u = 1; u < U; u++) sum = _mm256_add_ps(sum, a[u * M + m]);     \
-            float v = hsum8(sum);                                                       \
-            if (bias) v += LOAD1(bias[r]);                                              \
             float* dst = y + m * ldy + r;                                               \
-            *dst = acc ? *dst + v : v;                                                  \
+            *dst = acc ? *dst + (v[m] + b) : v[m] + b;                                  \
         }                                                                               \
     }                                                                                   \
 }
@@ -118,28 +127,43 @@ static inline __attribute__((always_inline)) void NAME(                         
 DEFINE_GEMM(gemm_rows_f32, float, load8_f32, LOAD_F32)
 DEFINE_GEMM(gemm_rows_bf16, uint16_t, load8_bf16, bf16_to_f32)
 
-/* The calling thread's share of y (+)= x w^T (+ bias), x [n, K], w [N, K], n <= 4.
-   No barrier. */
+/* The calling thread's share of y (+)= x w^T (+ bias), x [n, K], w [N, K]. No barrier.
+   Up to 8 inputs share one pass over the weight slice. More inputs go 8 at a time over
+   tiles of 128 weight rows, so that a tile read once from memory stays in L2 for the
+   other passes. */
 static void gemm_share(const float* x, int64_t n, int64_t K, const void* w, const void* bias,
                        float* y, int64_t N, int acc, int bf16) {
     int64_t r0, r1;
     share(N, 8, &r0, &r1);
     if (r0 >= r1) return;
+    /* Many inputs: 8 at a time over 128-row tiles of w, and K in chunks of 512, so that
+       the tile stays in L2 and the 8 inputs' chunk (16 KB) in L1 across the passes. */
+    const int64_t tile = n <= 8 ? r1 - r0 : 128, kc = n <= 8 ? K : 512;
 #define GEMM_CASE(MM)                                                                   \
-    if (bf16) gemm_rows_bf16(xm, K, (const uint16_t*)w, (const uint16_t*)bias, ym, N, r0, \
-                             r1, acc, MM);                                              \
-    else gemm_rows_f32(xm, K, (const float*)w, (const float*)bias, ym, N, r0, r1, acc, MM);
-    const float* xm = x;
-    float* ym = y;
-    switch (n) {  /* the weight slice is streamed once for all n inputs */
-    case 1: { GEMM_CASE(1) break; }
-    case 2: { GEMM_CASE(2) break; }
-    case 3: { GEMM_CASE(3) break; }
-    case 4: { GEMM_CASE(4) break; }
-    case 5: { GEMM_CASE(5) break; }
-    case 6: { GEMM_CASE(6) break; }
-    case 7: { GEMM_CASE(7) break; }
-    default: { GEMM_CASE(8) break; }
+    if (bf16) gemm_rows_bf16(xm, K, kl, (const uint16_t*)w + k0,                        \
+                             k0 ? NULL : (const uint16_t*)bias, ym, N, t0, t1,          \
+                             acc || k0, MM);                                            \
+    else gemm_rows_f32(xm, K, kl, (const float*)w + k0, k0 ? NULL : (const float*)bias, \
+                       ym, N, t0, t1, acc || k0, MM);
+    for (int64_t t0 = r0; t0 < r1; t0 += tile) {
+        const int64_t t1 = t0 + tile < r1 ? t0 + tile : r1;
+        for (int64_t k0 = 0; k0 < K; k0 += kc) {
+            const int64_t kl = K - k0 < kc ? K - k0 : kc;
+            for (int64_t m0 = 0; m0 < n; m0 += 8) {
+                const float* xm = x + m0 * K + k0;
+                float* ym = y + m0 * N;
+                switch (n - m0 < 8 ? n - m0 : 8) {
+                case 1: { GEMM_CASE(1) break; }
+                case 2: { GEMM_CASE(2) break; }
+                case 3: { GEMM_CASE(3) break; }
+                case 4: { GEMM_CASE(4) break; }
+                case 5: { GEMM_CASE(5) break; }
+                case 6: { GEMM_CASE(6) break; }
+                case 7: { GEMM_CASE(7) break; }
+                default: { GEMM_CASE(8) break; }
+                }
+            }
+        }
     }
 #undef GEMM_CASE
 }
@@ -244,7 +268,7 @@ static float* attention_scratch(const FusedModel* M, int64_t width) {
     return (float*)malloc(sizeof(float) * (G * width * M->block_size + G * D + D));
 }
 
-/* One decode step of n <= 8 sequences through every layer. ids [n]; cos, sin [n, D]
+/* One decode step of n sequences through every layer. ids [n]; cos, sin [n, D]
    (sin already signed: rotate(x)[d] = x[d] cos[d] + x[(d + D/2) % D] sin[d]); tables
    [n, width] and ctx [n] as the decode kernel takes them (the new token is at position
    ctx - 1). out [n, E] gets the final-normed hidden states; scratch holds
@@ -295,7 +319,7 @@ void fused_forward(const FusedModel* M, int64_t n, const int64_t* ids, const flo
     }
 }
 
-/* y [n, N] = x [n, K] w^T (+ bias), n <= 8: the LM head of a fused step. */
+/* y [n, N] = x [n, K] w^T (+ bias): the LM head of a fused step. */
 void fused_linear(const float* x, int64_t n, int64_t K, const void* w, const void* bias,
                   float* y, int64_t N, int64_t bf16, int nthreads) {
     #pragma omp parallel num_threads(nthreads)
@@ -504,10 +528,16 @@ class FusedDecoder:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None) -> torch.Tensor:
-        """x [n <= MAX_ROWS, K] float32 -> x weight^T (+ bias) [n, N] float32."""
+        """x [n <= MAX_ROWS, K] float32 -> x weight^T (+ bias) [n, N] float32; weight (and
+        bias) in the model dtype."""
         n, k = x.shape
-        if x.dtype != torch.float32 or not x.is_contiguous() or not 1 <= n <= MAX_ROWS:
-            raise ValueError("fused linear: x must be contiguous float32 with 1..4 rows")
+        if x.dtype != torch.float32 or not x.is_contiguous() or not 1 <= n <= MAX_ROWS \
+                or weight.dim() != 2 or weight.shape[1] != k or not weight.is_contiguous() \
+                or weight.dtype != self.dtype or k % 8 or (bias is not None and (
+                    bias.dtype != self.dtype or bias.shape != weight.shape[:1]
+                    or not bias.is_contiguous())):
+            raise ValueError(f"fused linear: x must be contiguous float32 [1..{MAX_ROWS} rows, "
+                             f"K], weight contiguous [N, K] in {self.dtype}, K % 8 == 0")
         y = torch.empty((n, weight.shape[0]), dtype=torch.float32)
         self._linear(x.data_ptr(), n, k, weight.data_ptr(), _ptr(bias), y.data_ptr(),
                      weight.shape[0], int(weight.dtype == torch.bfloat16),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -70,5 +71,9 @@ def test_bench_cli_writes_every_key_finite(tmp_path: Path, monkeypatch: pytest.M
     details = data["details"]
     assert details["runs"]["continuous"]["output_tokens"] == \
         details["workload"]["output_tokens"]
+    for b, ratio in roof.items():  # the figure is the median of paired rounds' ratios
+        rounds = details["decode_steps"][b]["round_ratios"]
+        assert len(rounds) == TEST.roofline_rounds
+        assert ratio == statistics.median(rounds)
     table = capsys.readouterr().out
     assert "continuous vs static" in table and "roofline" in table

@@ -96,15 +96,16 @@ def test_fused_decode_matches_hf(tmp_path: Path, kernel: DecodeKernel, kind: str
         assert diff <= 1e-4, f"{kind}: sequence {sid} max abs diff {diff}"
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama_tied"])
-def test_packed_decode_step_matches_hf(tmp_path: Path, kernel: DecodeKernel, kind: str) -> None:
-    """A decode batch larger than MAX_ROWS (oneDNN matmuls, C norms, rotary, attention and
-    silu between them), float32: within 1e-4 of transformers."""
+@pytest.mark.parametrize(("kind", "n"), [("qwen2", 13), ("llama_tied", MAX_ROWS + 3)])
+def test_larger_decode_batches_match_hf(tmp_path: Path, kernel: DecodeKernel, kind: str,
+                                        n: int) -> None:
+    """Decode batches of more than 8 sequences (C matmuls 8 inputs at a time over tiles of
+    the weights) and of more than MAX_ROWS (oneDNN matmuls, C norms, rotary, attention
+    and silu between them), float32: within 1e-4 of transformers."""
     hf = save_hf_checkpoint(kind, tmp_path, seed=6)
     loaded, spy = _fast(tmp_path, torch.float32, kernel)
-    n = MAX_ROWS + 3
     seqs = [_tokens(12 + i, 60 + i) for i in range(n)]
-    runner = PagedRunner(loaded.model, loaded.config, block_size=4, num_blocks=128, seed=4)
+    runner = PagedRunner(loaded.model, loaded.config, block_size=4, num_blocks=1024, seed=4)
     got: dict[int, list[torch.Tensor]] = {i: [] for i in range(n)}
     prompt = {i: len(s) - 3 for i, s in enumerate(seqs)}
     for sid, rows in enumerate(runner.step([(i, s[:prompt[i]]) for i, s in enumerate(seqs)])):
@@ -114,7 +115,10 @@ def test_packed_decode_step_matches_hf(tmp_path: Path, kernel: DecodeKernel, kin
         work = [(i, [seqs[i][prompt[i] + step]]) for i in order]
         for (sid, _), rows in zip(work, runner.step(work), strict=True):
             got[sid].append(rows)
-    assert spy.packed_rows == [n] * 3 and not spy.rows
+    if n > MAX_ROWS:
+        assert spy.packed_rows == [n] * 3 and not spy.rows
+    else:
+        assert spy.rows == [n] * 3 and not spy.packed_rows
     for sid, toks in enumerate(seqs):
         ours = torch.cat(got[sid])
         diff = (ours - hf_logits(hf, toks[:ours.shape[0]])).abs().max().item()
@@ -135,7 +139,7 @@ def test_fused_decode_matches_torch_path_up_to_max_rows(tmp_path: Path, kernel: 
     fast, spy = _fast(tmp_path, dtype, kernel)
     n = MAX_ROWS + 1
     prompts = [_tokens(5 + 3 * i, 40 + i) for i in range(n)]
-    runners = [PagedRunner(m.model, m.config, dtype=dtype, num_blocks=128, seed=2)
+    runners = [PagedRunner(m.model, m.config, dtype=dtype, num_blocks=1024, seed=2)
                for m in (plain, fast)]
     for r in runners:
         r.step([(i, p) for i, p in enumerate(prompts)])
@@ -154,25 +158,31 @@ def test_fused_decode_matches_torch_path_up_to_max_rows(tmp_path: Path, kernel: 
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
-def test_fused_linear(kernel: DecodeKernel, tmp_path: Path, dtype: torch.dtype,
-                      rows: int) -> None:
+@pytest.mark.parametrize(("rows", "k", "out"),
+                         [(1, 64, 200), (3, 64, 200), (13, 1048, 600), (MAX_ROWS, 64, 200)])
+def test_fused_linear(kernel: DecodeKernel, tmp_path: Path, dtype: torch.dtype, rows: int,
+                      k: int, out: int) -> None:
+    """Against a float32 matmul: single passes, and more than 8 inputs over weight tiles
+    and K chunks (1048 = 2 x 512 + 24)."""
     save_hf_checkpoint("llama3", tmp_path, seed=1)
     loaded = load_model(tmp_path, dtype, torch.device("cpu"))
     loaded.model.set_decode_kernel(kernel)
     fused = loaded.model.fused
     assert fused is not None
     gen = torch.Generator().manual_seed(rows)
-    # 200 output rows: not a multiple of the 8-row shares; a bias on every row
-    w = torch.randn(200, 64, generator=gen).to(dtype)
-    b = torch.randn(200, generator=gen).to(dtype)
-    x = torch.randn(rows, 64, generator=gen)
+    # output rows not a multiple of the 8-row shares; a bias on every row
+    w = torch.randn(out, k, generator=gen).to(dtype)
+    b = torch.randn(out, generator=gen).to(dtype)
+    x = torch.randn(rows, k, generator=gen)
     ref = x @ w.float().T + b.float()
     got = fused.linear(x, w, b)
-    assert got.dtype == torch.float32 and got.shape == (rows, 200)
-    assert (got - ref).abs().max().item() <= 1e-4
-    with pytest.raises(ValueError, match="rows"):
-        fused.linear(torch.randn(MAX_ROWS + 1, 64), w, None)
+    assert got.dtype == torch.float32 and got.shape == (rows, out)
+    assert (got - ref).abs().max().item() <= 1e-4 * k ** 0.5
+    for bad in (torch.randn(MAX_ROWS + 1, k), torch.randn(rows, k + 8), x.double()):
+        with pytest.raises(ValueError, match="fused linear"):  # never reads out of bounds
+            fused.linear(bad, w, None)
+    with pytest.raises(ValueError, match="fused linear"):
+        fused.linear(x, w, b[:-1])
 
 
 def test_unsupported_models_keep_the_torch_path(tmp_path: Path, kernel: DecodeKernel) -> None:
