@@ -45,6 +45,9 @@ def _add_server_flags(p: argparse.ArgumentParser, *, model_default: str | None) 
                    help="step the model on a thread of the server's process instead of in "
                         "an engine process of its own (the default)")
     p.add_argument("--seed", type=int, default=0, help="seed for unseeded sampled requests")
+    p.add_argument("--fault-step-delay", type=float, default=0.0, metavar="MS",
+                   help="fault injection: sleep MS milliseconds before every engine step, "
+                        "a slow model server for resilience tests and demos (default 0)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="largest request body accepted (default 4 MiB; larger gets 413)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
@@ -86,7 +89,8 @@ def _backend(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache,
             seed=args.seed, served_model_name=args.served_model_name,
-            num_threads=args.threads, reserve_cores=1)
+            num_threads=args.threads, reserve_cores=1,
+            fault_step_delay_s=args.fault_step_delay / 1000)
         if args.engine_in_process:
             engine = AsyncEngine.from_config(config)
         else:

@@ -41,16 +41,23 @@ def test_backend_leaves_a_core_to_its_event_loop(monkeypatch, capsys) -> None:
 
     def capture(kind):
         def from_config(config):
-            seen.append((kind, config.reserve_cores, config.num_threads))
+            seen.append((kind, config.reserve_cores, config.num_threads,
+                         config.fault_step_delay_s))
             raise EngineError("stop here")
         return staticmethod(from_config)
 
     monkeypatch.setattr(AsyncEngine, "from_config", capture("thread"))
     monkeypatch.setattr(EngineClient, "from_config", capture("process"))
     assert main(["backend", "--model", "tiny"]) == 2
-    assert main(["backend", "--model", "tiny", "--threads", "2", "--engine-in-process"]) == 2
-    assert seen == [("process", 1, None), ("thread", 1, 2)]
+    assert main(["backend", "--model", "tiny", "--threads", "2", "--engine-in-process",
+                 "--fault-step-delay", "2.5"]) == 2
+    assert seen == [("process", 1, None, 0.0), ("thread", 1, 2, 0.0025)]
     assert "stop here" in capsys.readouterr().err
+
+
+def test_backend_refuses_a_bad_fault_step_delay(capsys) -> None:
+    assert main(["backend", "--model", "tiny", "--fault-step-delay", "-1"]) == 2
+    assert "fault_step_delay_s must be in [0, 60]" in capsys.readouterr().err
 
 
 def test_up_applies_sluice_overrides_and_refuses_a_bad_one(monkeypatch) -> None:

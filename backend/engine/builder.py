@@ -157,6 +157,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         aging_s=config.aging_s,
         static_batching=config.static_batching,
         seed=config.seed,
+        fault_step_delay_s=config.fault_step_delay_s,
     )
     log.info("engine ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens "
              "max_model_len=%d cpu_threads=%d", name, device, dtype, num_blocks, bs,

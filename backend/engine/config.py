@@ -29,9 +29,12 @@ class EngineConfig:
     # them. Never below one thread.
     reserve_cores: int = 0
     decode_kernel: bool = True  # CPU: compile and use the C decode-attention kernel
-    # CPU, with the kernel: decode steps of up to 4 sequences run as one fused C call
+    # CPU, with the kernel: steps where every sequence decodes run fused in C
     fused_decode: bool = True
     served_model_name: str | None = None
+    # Fault injection: sleep this long before every step that runs the model (a slow or
+    # overloaded model server, for resilience tests and demos). 0: off.
+    fault_step_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -55,3 +58,6 @@ class EngineConfig:
             raise InvalidRequestError("reserve_cores must be >= 0", "reserve_cores")
         if self.aging_s <= 0:
             raise InvalidRequestError("aging_s must be > 0", "aging_s")
+        if not 0 <= self.fault_step_delay_s <= 60:
+            raise InvalidRequestError("fault_step_delay_s must be in [0, 60]",
+                                      "fault_step_delay_s")

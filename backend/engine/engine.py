@@ -87,8 +87,10 @@ class LLMEngine:
         static_batching: bool = False,
         seed: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        fault_step_delay_s: float = 0.0,
     ) -> None:
         self.runner = runner
+        self.fault_step_delay_s = fault_step_delay_s  # see EngineConfig
         # the runner's native argmax for greedy rows, where it has one
         self._argmax = getattr(runner, "argmax", None) or torch_argmax
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_cache)
@@ -205,6 +207,8 @@ class LLMEngine:
         if out.is_empty:
             return []
         started = self.clock()
+        if self.fault_step_delay_s:  # counted as model time: a slow model server
+            time.sleep(self.fault_step_delay_s)
         logits = self.runner.execute(out.chunks)
         now = self.clock()
         self.steps += 1

@@ -36,6 +36,9 @@ __all__ = ["TEST_KEY", "Replica", "ThreadedGateway", "assert_no_leaks", "auth", 
            "stream_chat"]
 
 
+SLOW = ("--fault-step-delay", "3")
+
+
 class Replica:
     """A bundled backend on a fixed port: killed, paused and restarted by PID."""
 
@@ -90,12 +93,16 @@ class Replica:
 
 @pytest.fixture(scope="package")
 def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Replica]]:
-    """Two tiny backends for the package (a test that kills one restarts it)."""
+    """Two tiny backends for the package (a test that kills one restarts it).
+
+    Each engine step takes at least 3 ms (``--fault-step-delay``), so that a long answer
+    (1900 tokens: 5.7 s or more) outlasts the gateway's stall and shutdown timeouts on any
+    machine: the tiny model alone makes ~4,000 tokens/s for one stream on the dev box."""
     from backend.engine.tiny_model import ensure_tiny_model
 
     ensure_tiny_model()
     tmp = tmp_path_factory.mktemp("replicas")
-    pair = [Replica(tmp), Replica(tmp)]
+    pair = [Replica(tmp, *SLOW), Replica(tmp, *SLOW)]
     for r in pair:
         r.start()
     yield pair

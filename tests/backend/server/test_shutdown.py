@@ -44,7 +44,9 @@ def test_sigterm_lets_in_flight_requests_finish(tiny_model_dir: Path, tmp_path: 
 
 
 def test_sigterm_aborts_what_outlives_the_timeout(tiny_model_dir: Path, tmp_path: Path) -> None:
-    b = start_backend(tmp_path, "--shutdown-timeout", "0.5")
+    # Every step takes at least 2 ms (a slow server, whatever this machine's speed): the
+    # 1900 tokens take 3.8 s or more, far past the 0.5 s timeout.
+    b = start_backend(tmp_path, "--shutdown-timeout", "0.5", "--fault-step-delay", "2")
     try:
         body = {"prompt": "forever", "max_tokens": 1900, "ignore_eos": True, "stream": True}
         with httpx.Client(base_url=b.url, timeout=30) as c, \
@@ -57,7 +59,7 @@ def test_sigterm_aborts_what_outlives_the_timeout(tiny_model_dir: Path, tmp_path
         # Cut short with an in-stream error (the openai SDK raises APIError on it).
         error = json.loads(rest[-1][6:])["error"]
         assert error["code"] == "aborted" and error["type"] == "server_error"
-        assert len(rest) < 1000
+        assert len(rest) < 1000  # cut short: ~0.5 s of 2 ms steps
         assert b.proc.wait(timeout=10) in (0, -signal.SIGTERM)
         assert time.monotonic() - t0 < 5
     finally:
