@@ -413,37 +413,28 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _fn(lib: ctypes.CDLL, name: str, *args: Any) -> Any:
+    """A C function returning void; every one takes the thread count last."""
+    fn = getattr(lib, name)
+    fn.restype = None
+    fn.argtypes = [*args, ctypes.c_int]
+    return fn
+
+
 class FusedDecoder:
     """The fused step bound to one model's weights (and, at first use, its KV cache)."""
 
     def __init__(self, lib: ctypes.CDLL, model: LlamaForCausalLM) -> None:
-        self._forward = lib.fused_forward
-        self._forward.restype = None
-        self._forward.argtypes = [ctypes.POINTER(_Model), ctypes.c_int64, *[ctypes.c_void_p] * 4,
-                                  ctypes.c_int64, *[ctypes.c_void_p] * 3, ctypes.c_int]
-        self._linear = lib.fused_linear
-        self._linear.restype = None
-        self._linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                 ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-        self._rope_attend = lib.fused_rope_attend
-        self._rope_attend.restype = None
-        self._rope_attend.argtypes = [ctypes.POINTER(_Model), ctypes.c_int64, ctypes.c_void_p,
-                                      ctypes.c_int64, *[ctypes.c_void_p] * 3, ctypes.c_int64,
-                                      *[ctypes.c_void_p] * 2, ctypes.c_int]
-        self._add_norm = lib.fused_add_norm
-        self._add_norm.restype = None
-        self._add_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_float,
-                                   ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-        self._silu_mul = lib.fused_silu_mul
-        self._silu_mul.restype = None
-        self._silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                   ctypes.c_void_p, ctypes.c_int]
-        self._argmax = lib.argmax_rows
-        self._argmax.restype = None
-        self._argmax.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                 ctypes.c_void_p, ctypes.c_int]
+        i64, ptr, model_p = ctypes.c_int64, ctypes.c_void_p, ctypes.POINTER(_Model)
+        self._forward = _fn(lib, "fused_forward", model_p, i64, ptr, ptr, ptr, ptr, i64, ptr,
+                            ptr, ptr)
+        self._linear = _fn(lib, "fused_linear", ptr, i64, i64, ptr, ptr, ptr, i64, i64)
+        self._rope_attend = _fn(lib, "fused_rope_attend", model_p, i64, ptr, i64, ptr, ptr,
+                                ptr, i64, ptr, ptr)
+        self._add_norm = _fn(lib, "fused_add_norm", ptr, ptr, i64, i64, ptr, ctypes.c_float,
+                             i64, ptr)
+        self._silu_mul = _fn(lib, "fused_silu_mul", ptr, i64, i64, ptr)
+        self._argmax = _fn(lib, "argmax_rows", ptr, i64, i64, ptr)
         self.model = model
         self.dtype = model.dtype
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
@@ -11,22 +10,7 @@ import torch
 
 from backend.engine.attention import Workspace, build_attention_batch, paged_attention
 from backend.engine.decode_kernel import DecodeKernel, load_decode_kernel
-
-
-def no_compiler() -> None:
-    """Skip where there is no C compiler, but fail where CI requires the native code
-    (SLUICE_REQUIRE_NATIVE, set by .ci/run): there a failed build must not pass unseen."""
-    if os.environ.get("SLUICE_REQUIRE_NATIVE"):
-        pytest.fail("the decode kernel did not build (SLUICE_REQUIRE_NATIVE is set)")
-    pytest.skip("no C compiler: the engine falls back to torch ops")
-
-
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory: pytest.TempPathFactory) -> DecodeKernel:
-    k = load_decode_kernel(tmp_path_factory.mktemp("kernels"))
-    if k is None:
-        no_compiler()
-    return k
+from tests.backend.engine.conftest import no_compiler
 
 
 def _case(dtype: torch.dtype, heads: int, kv_heads: int, dim: int, seed: int,

@@ -10,24 +10,15 @@ from typing import Any, cast
 import pytest
 import torch
 
-from backend.engine.decode_kernel import DecodeKernel, load_decode_kernel
+from backend.engine.decode_kernel import DecodeKernel
 from backend.engine.fused_decode import MAX_ROWS, FusedDecoder
 from backend.engine.loader import load_model
 from backend.engine.models.llama import LlamaForCausalLM
 from tests.backend.engine.conftest_models import PagedRunner, hf_logits, save_hf_checkpoint
-from tests.backend.engine.test_decode_kernel import no_compiler
 
 pytest.importorskip("transformers")
 
 KINDS = ["llama3", "llama_tied", "mistral", "qwen2"]  # qwen2: q/k/v biases
-
-
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory: pytest.TempPathFactory) -> DecodeKernel:
-    k = load_decode_kernel(tmp_path_factory.mktemp("kernels"))
-    if k is None:
-        no_compiler()
-    return k
 
 
 def _tokens(n: int, seed: int) -> list[int]:
