@@ -194,9 +194,11 @@ static void rope_write_rows(const FusedModel* M, const FusedLayer* L, float* qkv
         float* row = qkv + m * QKV;
         const float* c = cos + m * D;
         const float* sn = sin + m * D;
-        for (int64_t hh = 0; hh < H + KVH; hh++) {
+        const int64_t half = D / 2;
+        for (int64_t hh = 0; hh < H + KVH; hh++) {  /* two halves: loops that vectorize */
             float* v = row + hh * D;
-            for (int64_t d = 0; d < D; d++) tmp[d] = v[d] * c[d] + v[(d + D / 2) % D] * sn[d];
+            for (int64_t d = 0; d < half; d++) tmp[d] = v[d] * c[d] + v[d + half] * sn[d];
+            for (int64_t d = half; d < D; d++) tmp[d] = v[d] * c[d] + v[d - half] * sn[d];
             memcpy(v, tmp, sizeof(float) * D);
         }
         const int64_t pos = ctx[m] - 1;
