@@ -383,8 +383,16 @@ void argmax_rows(const float* x, int64_t n, int64_t V, int64_t* out, int nthread
         _mm256_storeu_ps(lanes, best);
         for (int k = 0; k < 8; k++) mx = lanes[k] > mx ? lanes[k] : mx;
         for (; v < V; v++) mx = r[v] > mx ? r[v] : mx;
+        /* the first index holding it: 8 lanes compared at a time */
+        const __m256 target = _mm256_set1_ps(mx);
         int64_t at = 0;
-        while (at < V - 1 && r[at] != mx) at++;
+        for (; at + 8 <= V; at += 8) {
+            const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(r + at), target,
+                                                             _CMP_EQ_OQ));
+            if (hit) { at += __builtin_ctz((unsigned)hit); break; }
+        }
+        if (at + 8 > V || r[at] != mx)
+            while (at < V - 1 && r[at] != mx) at++;
         out[m] = at;
     }
 }
