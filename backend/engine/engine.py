@@ -91,6 +91,7 @@ class LLMEngine:
     ) -> None:
         self.runner = runner
         self.fault_step_delay_s = fault_step_delay_s  # see EngineConfig
+        self._sleep: Callable[[float], None] = time.sleep
         # the runner's native argmax for greedy rows, where it has one
         self._argmax = getattr(runner, "argmax", None) or torch_argmax
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_cache)
@@ -208,7 +209,7 @@ class LLMEngine:
             return []
         started = self.clock()
         if self.fault_step_delay_s:  # counted as model time: a slow model server
-            time.sleep(self.fault_step_delay_s)
+            self._sleep(self.fault_step_delay_s)
         logits = self.runner.execute(out.chunks)
         now = self.clock()
         self.steps += 1

@@ -24,7 +24,7 @@ larger batches are compute-bound and run oneDNN's prepacked matmuls (``linear.py
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -370,19 +370,35 @@ void fused_silu_mul(const float* gu, int64_t n, int64_t I, float* act, int nthre
 }
 
 /* out[m] = the first index of the largest of x[m, :V] (greedy sampling; torch's argmax
-   over a [32, 32000] batch takes ~1 ms on this CPU, one scalar pass per row). Logits are
-   finite (with -ffast-math a NaN would not be picked as torch picks it). */
+   over a [32, 32000] batch takes ~1 ms on this CPU, one scalar pass per row), or -1 for a
+   row holding a NaN (torch picks the first NaN; those rows go back to it). */
 void argmax_rows(const float* x, int64_t n, int64_t V, int64_t* out, int nthreads) {
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t m = 0; m < n; m++) {
         const float* r = x + m * V;
         __m256 best = _mm256_set1_ps(-INFINITY);
+        /* NaNs are found on the bits (-ffast-math may fold float NaN tests away) */
+        const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+        const __m256i inf_bits = _mm256_set1_epi32(0x7f800000);
+        __m256i nan = _mm256_setzero_si256();
         int64_t v = 0;
-        for (; v + 8 <= V; v += 8) best = _mm256_max_ps(best, _mm256_loadu_ps(r + v));
+        for (; v + 8 <= V; v += 8) {
+            const __m256 xv = _mm256_loadu_ps(r + v);
+            best = _mm256_max_ps(best, xv);
+            nan = _mm256_or_si256(nan, _mm256_cmpgt_epi32(
+                _mm256_and_si256(_mm256_castps_si256(xv), abs_mask), inf_bits));
+        }
+        int has_nan = !_mm256_testz_si256(nan, nan);
         float mx = -INFINITY, lanes[8];
         _mm256_storeu_ps(lanes, best);
         for (int k = 0; k < 8; k++) mx = lanes[k] > mx ? lanes[k] : mx;
-        for (; v < V; v++) mx = r[v] > mx ? r[v] : mx;
+        for (; v < V; v++) {
+            uint32_t bits;
+            memcpy(&bits, r + v, 4);
+            has_nan |= (bits & 0x7fffffffu) > 0x7f800000u;
+            mx = r[v] > mx ? r[v] : mx;
+        }
+        if (has_nan) { out[m] = -1; continue; }
         /* the first index holding it: 8 lanes compared at a time */
         const __m256 target = _mm256_set1_ps(mx);
         int64_t at = 0;
@@ -392,8 +408,8 @@ void argmax_rows(const float* x, int64_t n, int64_t V, int64_t* out, int nthread
             if (hit) { at += __builtin_ctz((unsigned)hit); break; }
         }
         if (at + 8 > V || r[at] != mx)
-            while (at < V - 1 && r[at] != mx) at++;
-        out[m] = at;
+            while (at < V && r[at] != mx) at++;
+        out[m] = at < V ? at : -1;
     }
 }
 
@@ -450,6 +466,7 @@ class FusedDecoder:
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._struct: _Model | None = None
         self._layers: ctypes.Array[_Layer] | None = None
+        self._key: tuple[int, ...] = ()
         cfg = model.config
         self._scratch_per_row = (2 * cfg.hidden_size + (cfg.num_attention_heads
                                  + 2 * cfg.num_key_value_heads) * cfg.head_dim
@@ -474,9 +491,22 @@ class FusedDecoder:
                 and cfg.q_size % 8 == 0
                 and all(w.is_contiguous() for w in weights))
 
+    def _weights_key(self) -> tuple[int, ...]:
+        """Where the weights are now: the C struct holds their addresses, so a model moved
+        or reloaded after binding (``.to()``, ``load_state_dict(assign=True)``) rebinds."""
+        m = self.model.model
+        layers: list[Any] = list(m.layers)
+        return (m.embed_tokens.weight.data_ptr(), self.model.lm_head_weight.data_ptr(),
+                *(p.data_ptr() for layer in layers for p in (
+                    layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight,
+                    layer.mlp.gate_up_weight, layer.mlp.down_proj.weight)))
+
     def _bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> _Model:
-        if self._struct is not None and self._caches is kv_caches:
+        key = self._weights_key()
+        if self._struct is not None and self._caches is kv_caches and self._key == key:
             return self._struct
+        if self.model.dtype != self.dtype:
+            raise ValueError("fused decode: the model's dtype changed after it was bound")
         for k, v in kv_caches:
             if k.dtype != self.dtype or v.dtype != self.dtype or not k.is_contiguous() \
                     or not v.is_contiguous():
@@ -499,7 +529,7 @@ class FusedDecoder:
             k0.shape[2], int(self.dtype == torch.bfloat16), cfg.rms_norm_eps,
             cfg.head_dim ** -0.5, _ptr(model.model.embed_tokens.weight),
             _ptr(model.model.norm.weight), layers)
-        self._layers, self._caches = layers, kv_caches
+        self._layers, self._caches, self._key = layers, kv_caches, key
         return self._struct
 
     def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -533,6 +563,7 @@ class FusedDecoder:
         bias) in the model dtype."""
         n, k = x.shape
         if x.dtype != torch.float32 or not x.is_contiguous() or not 1 <= n <= MAX_ROWS \
+                or x.device.type != "cpu" or weight.device.type != "cpu" \
                 or weight.dim() != 2 or weight.shape[1] != k or not weight.is_contiguous() \
                 or weight.dtype != self.dtype or k % 8 or (bias is not None and (
                     bias.dtype != self.dtype or bias.shape != weight.shape[:1]
@@ -585,9 +616,14 @@ class FusedDecoder:
 
     def argmax(self, logits: torch.Tensor) -> list[int]:
         """``logits.argmax(dim=-1).tolist()`` for finite float32 CPU logits [n, vocab]."""
-        if logits.dtype != torch.float32 or logits.dim() != 2 or not logits.is_contiguous():
-            return logits.argmax(dim=-1).tolist()
+        if logits.dtype != torch.float32 or logits.dim() != 2 or not logits.is_contiguous() \
+                or logits.device.type != "cpu" or logits.shape[1] == 0:
+            return cast(list[int], logits.argmax(dim=-1).tolist())
         out = torch.empty(logits.shape[0], dtype=torch.int64)
         self._argmax(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr(),
                      torch.get_num_threads())
-        return out.tolist()
+        picks: list[int] = out.tolist()
+        for i, tok in enumerate(picks):
+            if tok < 0:  # a NaN row: torch's rule (the first NaN)
+                picks[i] = int(logits[i].argmax())
+        return picks

@@ -300,7 +300,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
         if self.fused is not None and hidden.dtype == torch.float32 \
-                and hidden.shape[0] <= FUSED_MAX_ROWS:
+                and 1 <= hidden.shape[0] <= FUSED_MAX_ROWS:
             return self.fused.linear(hidden.contiguous(), self.lm_head_weight, None)
         return linear(hidden, self.lm_head_weight, None, self.lm_head_packed, torch.float32)
 

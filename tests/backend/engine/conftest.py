@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 
@@ -24,3 +25,22 @@ def kernel(tmp_path_factory: pytest.TempPathFactory) -> DecodeKernel:
     if k is None:
         no_compiler()
     return k
+
+
+def _cpu_has_avx2_fma() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx2" in flags and "fma" in flags
+
+
+def fused_or_skip(model: Any) -> Any:
+    """The model's fused decode step; skip where the CPU cannot run it (no AVX2 + FMA), fail
+    where it can and CI requires the native code."""
+    if model.fused is None:
+        if os.environ.get("SLUICE_REQUIRE_NATIVE") and _cpu_has_avx2_fma():
+            pytest.fail("no fused decode step on an AVX2 CPU (SLUICE_REQUIRE_NATIVE is set)")
+        pytest.skip("the fused decode step needs AVX2 + FMA")
+    return model.fused

@@ -202,17 +202,16 @@ def test_reserve_cores_leaves_cores_to_the_server(monkeypatch):
         EngineConfig(reserve_cores=-1)
 
 
-def test_fault_step_delay_slows_every_model_step(tiny_cache_dir, monkeypatch):
+def test_fault_step_delay_slows_every_model_step(tiny_cache_dir):
     """Fault injection: every step that runs the model sleeps the delay first (and the
     outputs do not change); a step with nothing to run does not."""
-    import backend.engine.engine as engine_module
     from backend.engine.errors import InvalidRequestError
 
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     plain = run(make(tiny_cache_dir), [("a", [5, 6, 7], params)])
     slept: list[float] = []
-    monkeypatch.setattr(engine_module.time, "sleep", slept.append)
     slow = make(tiny_cache_dir, fault_step_delay_s=0.02)
+    slow.core._sleep = slept.append
     assert run(slow, [("a", [5, 6, 7], params)]) == plain
     assert slept == [0.02] * 6  # one prefill step, five decode steps
     assert slow.core.step() == [] and slept == [0.02] * 6

@@ -14,6 +14,7 @@ from backend.engine.decode_kernel import DecodeKernel
 from backend.engine.fused_decode import MAX_ROWS, FusedDecoder
 from backend.engine.loader import load_model
 from backend.engine.models.llama import LlamaForCausalLM
+from tests.backend.engine.conftest import fused_or_skip
 from tests.backend.engine.conftest_models import PagedRunner, hf_logits, save_hf_checkpoint
 
 pytest.importorskip("transformers")
@@ -30,7 +31,7 @@ class _Spy:
     matmuls with C between them)."""
 
     def __init__(self, model: LlamaForCausalLM) -> None:
-        assert model.fused is not None, "the fused step should serve this model"
+        fused_or_skip(model)
         self.rows: list[int] = []
         self.packed_rows: list[int] = []
         for name, log in (("forward", self.rows), ("forward_packed", self.packed_rows)):
@@ -158,8 +159,7 @@ def test_fused_linear(kernel: DecodeKernel, tmp_path: Path, dtype: torch.dtype, 
     save_hf_checkpoint("llama3", tmp_path, seed=1)
     loaded = load_model(tmp_path, dtype, torch.device("cpu"))
     loaded.model.set_decode_kernel(kernel)
-    fused = loaded.model.fused
-    assert fused is not None
+    fused = fused_or_skip(loaded.model)
     gen = torch.Generator().manual_seed(rows)
     # output rows not a multiple of the 8-row shares; a bias on every row
     w = torch.randn(out, k, generator=gen).to(dtype)
@@ -193,8 +193,7 @@ def test_native_argmax_equals_torch(tmp_path: Path, kernel: DecodeKernel) -> Non
     save_hf_checkpoint("llama3", tmp_path, seed=1)
     loaded = load_model(tmp_path, torch.float32, torch.device("cpu"))
     loaded.model.set_decode_kernel(kernel)
-    fused = loaded.model.fused
-    assert fused is not None
+    fused = fused_or_skip(loaded.model)
     gen = torch.Generator().manual_seed(0)
     for rows, vocab in [(1, 300), (5, 32003), (33, 17), (2, 7)]:
         x = torch.randn(rows, vocab, generator=gen)
@@ -204,6 +203,42 @@ def test_native_argmax_equals_torch(tmp_path: Path, kernel: DecodeKernel) -> Non
         assert fused.argmax(x) == x.argmax(dim=-1).tolist()
     ties = torch.zeros(3, 40)
     assert fused.argmax(ties) == [0, 0, 0]
+    nan = torch.randn(3, 32000, generator=gen)
+    nan[0] = float("nan")  # every value NaN: torch's pick, never an index past the end
+    nan[2, 5] = float("nan")
+    assert fused.argmax(nan) == nan.argmax(dim=-1).tolist()
+
+
+def test_fused_step_follows_weights_moved_after_binding(tmp_path: Path,
+                                                        kernel: DecodeKernel) -> None:
+    """The C struct holds the weights' addresses: weights replaced after the first fused
+    step (reloaded, moved) are picked up, never read where they were."""
+    save_hf_checkpoint("llama3", tmp_path, seed=2)
+    loaded = load_model(tmp_path, torch.float32, torch.device("cpu"))
+    model: Any = loaded.model
+    model.set_decode_kernel(kernel)  # no prepacked copies: the torch path reads the same
+    spy = _Spy(model)
+    prompt = _tokens(9, 70)
+    first = PagedRunner(model, loaded.config, seed=1)
+    first.step([(0, prompt)])
+    first.step([(0, [5])])
+    assert spy.rows == [1]
+    mlp = model.model.layers[0].mlp
+    old = (model.model.embed_tokens.weight.data, mlp.gate_up_weight)  # kept alive
+    model.model.embed_tokens.weight.data = model.model.embed_tokens.weight.data * 2
+    mlp.gate_up_weight = mlp.gate_up_weight * 2  # a new buffer, its HF views re-aliased
+    mlp._bind()
+    fused = model.fused
+    model.fused = None
+    plain = PagedRunner(model, loaded.config, seed=1)
+    ref = plain.step([(0, prompt)]) + plain.step([(0, [5])])
+    model.fused = fused
+    again = PagedRunner(model, loaded.config, seed=1)
+    again.kv = first.kv  # the very cache list the struct was bound with
+    got = again.step([(0, prompt)]) + again.step([(0, [5])])
+    assert spy.rows == [1, 1] and old[1] is not mlp.gate_up_weight
+    assert (torch.cat(got) - torch.cat(ref)).abs().max().item() <= 1e-4
+
 
 
 def test_engine_greedy_uses_the_native_argmax(kernel: DecodeKernel) -> None:
@@ -213,7 +248,7 @@ def test_engine_greedy_uses_the_native_argmax(kernel: DecodeKernel) -> None:
 
     parts = build_engine(EngineConfig(model="tiny", kv_blocks=64, max_model_len=128))
     runner: Any = parts.runner
-    assert runner.model.fused is not None
+    fused_or_skip(runner.model)
     calls: list[int] = []
     inner = runner.model.fused.argmax
 
