@@ -397,7 +397,8 @@ def _cache_dir() -> Path:
     return Path(base) / "sluice" / "kernels"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The CPU's feature flags line from /proc/cpuinfo ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith("flags")), "")
@@ -411,7 +412,7 @@ def load_decode_kernel(cache_dir: Path | None = None) -> DecodeKernel | None:
     if compiler is None:
         log.info("no C compiler: decode attention uses torch ops")
         return None
-    key = hashlib.sha256("\0".join((_SOURCE, *_FLAGS, _cpu_flags())).encode()).hexdigest()
+    key = hashlib.sha256("\0".join((_SOURCE, *_FLAGS, cpu_flags())).encode()).hexdigest()
     out_dir = cache_dir or _cache_dir()
     lib_path = out_dir / f"decode_attention-{key[:16]}.so"
     try:

@@ -10,6 +10,7 @@ from typing import cast
 import torch
 
 from .attention import build_attention_batch
+from .sampler import torch_argmax
 from .scheduler import ScheduledChunk
 
 
@@ -30,9 +31,8 @@ class ModelRunner:
         """Greedy picks for ``execute``'s logits: the model's native argmax where it has one
         (``FusedDecoder.argmax``), else torch's."""
         fused = getattr(self.model, "fused", None)
-        if fused is not None:
-            return cast(list[int], fused.argmax(logits))
-        return cast(list[int], logits.argmax(dim=-1).tolist())
+        return cast(list[int], fused.argmax(logits)) if fused is not None \
+            else torch_argmax(logits)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:

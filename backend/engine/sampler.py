@@ -17,6 +17,7 @@ Argmax = Callable[[torch.Tensor], list[int]]
 
 
 def torch_argmax(logits: torch.Tensor) -> list[int]:
+    """The first index of each row's largest value (NaN counts as largest)."""
     return logits.argmax(dim=-1).tolist()
 
 

@@ -332,10 +332,19 @@ class LlamaForCausalLM(nn.Module):
 
     def set_decode_kernel(self, kernel: DecodeKernel | None, fused: bool = True) -> None:
         """Use ``kernel`` for decode attention where it supports the cache (CPU), and with
-        ``fused``, its fused step for decode steps of up to ``FUSED_MAX_ROWS`` sequences
-        where it supports the model (``fused_decode.py``)."""
+        ``fused``, its fused steps for steps where every sequence decodes, where it supports
+        the model (``fused_decode.py``)."""
         self.decode_kernel = kernel
         self.fused = kernel.fused_decoder(self) if kernel is not None and fused else None
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor],
+               recurse: bool = True) -> LlamaForCausalLM:
+        # .to(), .float(), .bfloat16() ... move the weights: the fused step holds their
+        # addresses (and dtype), so it is made again for the moved ones.
+        super()._apply(fn, recurse)
+        if self.fused is not None and self.decode_kernel is not None:
+            self.fused = self.decode_kernel.fused_decoder(self)
+        return self
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """HF-named standalone tensors (no shared storage), ready for safetensors."""

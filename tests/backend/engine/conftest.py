@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from backend.engine.decode_kernel import DecodeKernel, load_decode_kernel
+from backend.engine.decode_kernel import DecodeKernel, cpu_flags, load_decode_kernel
 
 
 def no_compiler() -> None:
@@ -28,11 +28,7 @@ def kernel(tmp_path_factory: pytest.TempPathFactory) -> DecodeKernel:
 
 
 def _cpu_has_avx2_fma() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
+    flags = cpu_flags().split()
     return "avx2" in flags and "fma" in flags
 
 

@@ -209,35 +209,33 @@ def test_native_argmax_equals_torch(tmp_path: Path, kernel: DecodeKernel) -> Non
     assert fused.argmax(nan) == nan.argmax(dim=-1).tolist()
 
 
-def test_fused_step_follows_weights_moved_after_binding(tmp_path: Path,
+def test_fused_step_follows_a_model_moved_after_binding(tmp_path: Path,
                                                         kernel: DecodeKernel) -> None:
-    """The C struct holds the weights' addresses: weights replaced after the first fused
-    step (reloaded, moved) are picked up, never read where they were."""
+    """The C struct holds the weights' addresses: a model converted after its first fused
+    step (``.to(torch.bfloat16)``, new storage) gets a fused step bound to the new weights,
+    never one reading where they were."""
     save_hf_checkpoint("llama3", tmp_path, seed=2)
     loaded = load_model(tmp_path, torch.float32, torch.device("cpu"))
     model: Any = loaded.model
     model.set_decode_kernel(kernel)  # no prepacked copies: the torch path reads the same
-    spy = _Spy(model)
+    _Spy(model)
     prompt = _tokens(9, 70)
     first = PagedRunner(model, loaded.config, seed=1)
     first.step([(0, prompt)])
     first.step([(0, [5])])
+    before = model.fused
+    model.to(torch.bfloat16)
+    assert model.fused is not before and model.fused.dtype == torch.bfloat16
+    spy = _Spy(model)
+    got_runner = PagedRunner(model, loaded.config, dtype=torch.bfloat16, seed=1)
+    got = got_runner.step([(0, prompt)]) + got_runner.step([(0, [5])])
     assert spy.rows == [1]
-    mlp = model.model.layers[0].mlp
-    old = (model.model.embed_tokens.weight.data, mlp.gate_up_weight)  # kept alive
-    model.model.embed_tokens.weight.data = model.model.embed_tokens.weight.data * 2
-    mlp.gate_up_weight = mlp.gate_up_weight * 2  # a new buffer, its HF views re-aliased
-    mlp._bind()
-    fused = model.fused
-    model.fused = None
-    plain = PagedRunner(model, loaded.config, seed=1)
+    fused, model.fused = model.fused, None
+    plain = PagedRunner(model, loaded.config, dtype=torch.bfloat16, seed=1)
     ref = plain.step([(0, prompt)]) + plain.step([(0, [5])])
     model.fused = fused
-    again = PagedRunner(model, loaded.config, seed=1)
-    again.kv = first.kv  # the very cache list the struct was bound with
-    got = again.step([(0, prompt)]) + again.step([(0, [5])])
-    assert spy.rows == [1, 1] and old[1] is not mlp.gate_up_weight
-    assert (torch.cat(got) - torch.cat(ref)).abs().max().item() <= 1e-4
+    assert (torch.cat(got) - torch.cat(ref)).abs().max().item() <= 0.1
+
 
 
 
