@@ -151,11 +151,16 @@ def test_fused_decode_matches_torch_path_up_to_max_rows(tmp_path: Path, kernel: 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("rows", "k", "out"),
-                         [(1, 64, 200), (3, 64, 200), (13, 1048, 600), (MAX_ROWS, 64, 200)])
+                         [(1, 64, 200), (3, 64, 200), (9, 1048, 600), (10, 64, 205),
+                          (13, 1048, 600), (16, 136, 600), (20, 1048, 601), (26, 64, 205),
+                          (MAX_ROWS, 72, 601)])
 def test_fused_linear(kernel: DecodeKernel, tmp_path: Path, dtype: torch.dtype, rows: int,
                       k: int, out: int) -> None:
-    """Against a float32 matmul: single passes, and more than 8 inputs over weight tiles
-    and K chunks (1048 = 2 x 512 + 24)."""
+    """Against a float32 matmul. Up to 9 inputs the dot kernel: single passes, or 8 inputs
+    at a time over weight tiles and K chunks (1048 = 2 x 512 + 24). From 10 the 6 x 16
+    micro-kernel, 16 inputs a pass (10, 13, 26: zero-padded; 20: 16 wide and 4 the dot
+    way), over several 96-row tiles (600 rows), with each thread's last rows (< 24) the
+    dot way (205, 601)."""
     save_hf_checkpoint("llama3", tmp_path, seed=1)
     loaded = load_model(tmp_path, dtype, torch.device("cpu"))
     loaded.model.set_decode_kernel(kernel)
