@@ -18,7 +18,7 @@ splits its output rows between the threads, so each thread streams one contiguou
 of the weight. ``linear`` is the same matmul alone (the LM head).
 
 Used for steps where every sequence decodes and there are at most ``MAX_ROWS`` of them;
-larger batches are compute-bound and run oneDNN's prepacked matmuls (``linear.py``).
+larger batches run oneDNN's prepacked matmuls (``linear.py``), with C between them.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ if TYPE_CHECKING:
 
 # Decode steps of up to this many sequences run all in C (``FusedDecoder.forward``); larger
 # ones keep oneDNN's prepacked matmuls (``forward_packed``). Measured on the bench model's
-# weights (bf16, 2-core AVX2 CPU): the C matmuls beat oneDNN's at 1-32 inputs (32: layers
-# 12.3 against 13.1 ms, LM head 7.8 against 8.4-9.1 ms), tie at 48 and lose at 64.
-MAX_ROWS = 32
+# 33 matmuls (bf16, 2-core AVX2 CPU), C against oneDNN: 32 inputs 15.7 against 20.5 ms,
+# 48: 23.5 / 29.0, 64: 31.1 / 36.5, 96: 46.6 / 51.8, 128: 62.4 / 66.2, 256: a tie.
+MAX_ROWS = 64
 
 # The C source, compiled by ``decode_kernel.load_decode_kernel`` after the attention kernel's.
 SOURCE = (Path(__file__).with_name("fused_decode.c")).read_text()
