@@ -242,16 +242,18 @@ static void gemm_dot(const float* x, int64_t m0, int64_t mm, int64_t K, const vo
 static void gemm_share(const float* x, int64_t n, int64_t K, const void* w, const void* bias,
                        float* y, int64_t N, int acc, int bf16, float* xT) {
     int64_t r0, r1;
-    if (n < WIDE_MIN || xT == NULL) {
-        share(N, 8, &r0, &r1);
-        if (r0 < r1) gemm_dot(x, 0, n, K, w, bias, y, N, r0, r1, acc, bf16);
+    /* The split depends on n and K alone, never on xT: a thread whose scratch could not be
+       allocated still takes the rows the others leave it (the dot way). */
+    const int wide = n >= WIDE_MIN && K > 0;
+    share(N, wide ? 24 : 8, &r0, &r1);
+    if (r0 >= r1) return;
+    if (!wide || xT == NULL) {
+        gemm_dot(x, 0, n, K, w, bias, y, N, r0, r1, acc, bf16);
         return;
     }
-    share(N, 24, &r0, &r1);
-    if (r0 >= r1) return;
     const int64_t rend = r0 + (r1 - r0) / 24 * 24;
     const int64_t passes = n % 16 >= WIDE_MIN ? (n + 15) / 16 : n / 16;
-    const int64_t wide = passes * 16 < n ? passes * 16 : n;  /* inputs done wide */
+    const int64_t done = passes * 16 < n ? passes * 16 : n;  /* inputs done wide */
     for (int64_t p = 0; p < passes; p++)
         for (int64_t half = 0; half < 16; half += 8)
             for (int64_t k = 0; k < K; k += 8) {
@@ -290,7 +292,7 @@ static void gemm_share(const float* x, int64_t n, int64_t K, const void* w, cons
             }
         }
     }
-    if (wide < n) gemm_dot(x, wide, n - wide, K, w, bias, y, N, r0, rend, acc, bf16);
+    if (done < n) gemm_dot(x, done, n - done, K, w, bias, y, N, r0, rend, acc, bf16);
     if (rend < r1) gemm_dot(x, 0, n, K, w, bias, y, N, rend, r1, acc, bf16);
 }
 
@@ -461,12 +463,13 @@ void fused_forward(const FusedModel* M, int64_t n, const int64_t* ids, const flo
     }
 }
 
-/* y [n, N] = x [n, K] w^T (+ bias): the LM head of a fused step. */
+/* y [n, N] = x [n, K] w^T (+ bias): the LM head of a fused step. wide = 0 keeps every
+   row count on the dot kernel (the matmul bench's side-by-side). */
 void fused_linear(const float* x, int64_t n, int64_t K, const void* w, const void* bias,
-                  float* y, int64_t N, int64_t bf16, int nthreads) {
+                  float* y, int64_t N, int64_t bf16, int64_t wide, int nthreads) {
     #pragma omp parallel num_threads(nthreads)
     {
-        float* xT = wide_scratch(n, K);
+        float* xT = wide ? wide_scratch(n, K) : NULL;
         gemm_share(x, n, K, w, bias, y, N, 0, (int)bf16, xT);
         free(xT);
     }

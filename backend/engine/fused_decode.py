@@ -35,9 +35,10 @@ if TYPE_CHECKING:
     from .models.llama import LlamaForCausalLM
 
 # Decode steps of up to this many sequences run all in C (``FusedDecoder.forward``); larger
-# ones keep oneDNN's prepacked matmuls (``forward_packed``). Measured on the bench model's
-# 33 matmuls (bf16, 2-core AVX2 CPU), C against oneDNN: 32 inputs 15.7 against 20.5 ms,
-# 48: 23.5 / 29.0, 64: 31.1 / 36.5, 96: 46.6 / 51.8, 128: 62.4 / 66.2, 256: a tie.
+# ones keep oneDNN's prepacked matmuls (``forward_packed``). One step's matmuls of the
+# bench model (bf16, 2-core AVX2 CPU; ``python -m backend.bench.matmul``), C against
+# oneDNN: 32 rows 16.3 against 21.7 ms, 48: 24.3 / 30.4, 64: 32.3 / 38.1. Beyond, timed
+# once through the C entry point: 96 rows 46.6 / 51.8, 128: 62.4 / 66.2, 256: a tie.
 MAX_ROWS = 64
 
 # The C source, compiled by ``decode_kernel.load_decode_kernel`` after the attention kernel's.
@@ -80,7 +81,7 @@ class FusedDecoder:
         i64, ptr, model_p = ctypes.c_int64, ctypes.c_void_p, ctypes.POINTER(_Model)
         self._forward = _fn(lib, "fused_forward", model_p, i64, ptr, ptr, ptr, ptr, i64, ptr,
                             ptr, ptr)
-        self._linear = _fn(lib, "fused_linear", ptr, i64, i64, ptr, ptr, ptr, i64, i64)
+        self._linear = _fn(lib, "fused_linear", ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64)
         self._rope_attend = _fn(lib, "fused_rope_attend", model_p, i64, ptr, i64, ptr, ptr,
                                 ptr, i64, ptr, ptr)
         self._add_norm = _fn(lib, "fused_add_norm", ptr, ptr, i64, i64, ptr, ctypes.c_float,
@@ -172,9 +173,11 @@ class FusedDecoder:
         return n * self._scratch_per_row
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
-               bias: torch.Tensor | None) -> torch.Tensor:
+               bias: torch.Tensor | None, *, wide: bool = True) -> torch.Tensor:
         """x [n <= MAX_ROWS, K] float32 -> x weight^T (+ bias) [n, N] float32; weight (and
-        bias) in the model dtype."""
+        bias) in the model dtype. ``wide=False`` keeps the dot kernel at every row count
+        (the 6 x 16 micro-kernel otherwise takes 10 rows and more; ``backend.bench.matmul``
+        times both)."""
         n, k = x.shape
         if x.dtype != torch.float32 or not x.is_contiguous() or not 1 <= n <= MAX_ROWS \
                 or x.device.type != "cpu" or weight.device.type != "cpu" \
@@ -186,7 +189,7 @@ class FusedDecoder:
                              f"K], weight contiguous [N, K] in {self.dtype}, K % 8 == 0")
         y = torch.empty((n, weight.shape[0]), dtype=torch.float32)
         self._linear(x.data_ptr(), n, k, weight.data_ptr(), _ptr(bias), y.data_ptr(),
-                     weight.shape[0], int(weight.dtype == torch.bfloat16),
+                     weight.shape[0], int(weight.dtype == torch.bfloat16), int(wide),
                      torch.get_num_threads())
         return y
 

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 from pathlib import Path
 
 import pytest
 
 from backend.bench import __main__ as bench_main
+from backend.bench import matmul
+from backend.bench.checkpoint import TEST_MODEL
 from backend.bench.settings import TEST
 from backend.bench.workload import (
     WorkloadSpec,
@@ -21,6 +24,9 @@ from backend.bench.workload import (
     percentile,
     with_arrivals,
 )
+from backend.engine.decode_kernel import load_decode_kernel
+from backend.engine.fused_decode import MAX_ROWS
+from tests.backend.engine.conftest import cpu_has_avx2_fma, no_compiler
 
 TARGET_KEYS = (
     "continuous_vs_static_tokens_per_s",
@@ -77,3 +83,38 @@ def test_bench_cli_writes_every_key_finite(tmp_path: Path, monkeypatch: pytest.M
         assert ratio == statistics.median(rounds)
     table = capsys.readouterr().out
     assert "continuous vs static" in table and "roofline" in table
+
+
+def test_matmul_bench_times_the_three_kernels_of_every_step_matmul(tmp_path: Path) -> None:
+    """``python -m backend.bench.matmul`` on the test model: every row count gets the three
+    sides, over all of a decode step's matmuls (their FLOPs are the model's)."""
+    if load_decode_kernel() is None:
+        no_compiler()
+    if not cpu_has_avx2_fma():
+        if os.environ.get("SLUICE_REQUIRE_NATIVE"):
+            pytest.fail("AVX2 + FMA CPU without the fused kernels")
+        pytest.skip("the fused kernels need AVX2 + FMA")
+    out = tmp_path / "matmul.json"
+    assert matmul.main(["--model", "test", "--rows", "1,12,20", "--rounds", "2",
+                        "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["details"]["flops_per_row"] == 2 * TEST_MODEL.matmul_params
+    assert data["details"]["matmuls"] == 4 * TEST_MODEL.num_layers + 1
+    assert set(data["rows"]) == set(data["c_row_over_c"]) == set(data["onednn_over_c"]) \
+        == {"1", "12", "20"}
+    for n, row in data["rows"].items():
+        for side in matmul.SIDES:
+            ms, gflops = row[f"{side}_ms"], row[f"{side}_gflops"]
+            assert 0 < ms < 10_000 and math.isfinite(gflops)
+            assert gflops == pytest.approx(data["details"]["flops_per_row"] * int(n) / ms / 1e6)
+        assert data["c_row_over_c"][n] > 0 and data["onednn_over_c"][n] > 0
+
+
+@pytest.mark.parametrize("argv", [["--rows", "0"], ["--rows", f"{MAX_ROWS + 1}"],
+                                  ["--rows", "a"], ["--rows", ""], ["--rounds", "0"]])
+def test_matmul_bench_refuses_bad_arguments(argv: list[str],
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        matmul.main(["--model", "test", *argv])
+    assert exc.value.code == 2
+    assert "--r" in capsys.readouterr().err

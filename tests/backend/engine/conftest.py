@@ -27,7 +27,7 @@ def kernel(tmp_path_factory: pytest.TempPathFactory) -> DecodeKernel:
     return k
 
 
-def _cpu_has_avx2_fma() -> bool:
+def cpu_has_avx2_fma() -> bool:
     flags = cpu_flags().split()
     return "avx2" in flags and "fma" in flags
 
@@ -36,7 +36,7 @@ def fused_or_skip(model: Any) -> Any:
     """The model's fused decode step; skip where the CPU cannot run it (no AVX2 + FMA), fail
     where it can and CI requires the native code."""
     if model.fused is None:
-        if os.environ.get("SLUICE_REQUIRE_NATIVE") and _cpu_has_avx2_fma():
+        if os.environ.get("SLUICE_REQUIRE_NATIVE") and cpu_has_avx2_fma():
             pytest.fail("no fused decode step on an AVX2 CPU (SLUICE_REQUIRE_NATIVE is set)")
         pytest.skip("the fused decode step needs AVX2 + FMA")
     return model.fused
