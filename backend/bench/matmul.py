@@ -60,12 +60,7 @@ def run(spec: ModelSpec, dtype: torch.dtype, rows: list[int], rounds: int,
         raise RuntimeError("the C kernels did not build (no C compiler?): nothing to compare")
     with tempfile.TemporaryDirectory(prefix="sluice-matmul-") as tmp:
         path = write_checkpoint(Path(tmp) / "model", spec, dtype)
-        model = load_model(path, dtype, torch.device("cpu")).model
-        return _run(model, kernel, rows, rounds, progress)
-
-
-def _run(model: Any, kernel: Any, rows: list[int], rounds: int,
-         progress: Callable[[str], None]) -> dict[str, Any]:
+        model: Any = load_model(path, dtype, torch.device("cpu")).model  # copied out of the file
     model.prepack_cpu_matmuls()
     model.set_decode_kernel(kernel)
     fused = model.fused

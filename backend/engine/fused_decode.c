@@ -143,6 +143,12 @@ static const uint32_t HIGH_HALF[8] __attribute__((aligned(32))) = {
     K6_ROW(LOAD, CONVERT, "(%[w3])", "6", "7")                                          \
     K6_ROW(LOAD, CONVERT, "(%[w3],%[rs],1)", "8", "9")                                  \
     K6_ROW(LOAD, CONVERT, "(%[w3],%[rs],2)", "10", "11")
+/* End of a step: prefetch 24 bytes on into the next block (6 rows x 4 bytes a step), the
+   inputs XBYTES on, each row 4 bytes on; loop. */
+#define K6_NEXT(XBYTES) "prefetcht0 (%[pf])\n\t add $24, %[pf]\n\t"                      \
+    "add $" XBYTES ", %[x]\n\t add $4, %[w]\n\t add $4, %[w3]\n\t"                          \
+    "dec %[steps]\n\t jnz 1b\n\t"
+#define K6_OUTPUTS [x] "+r"(xT), [w] "+r"(w), [w3] "+r"(w3), [steps] "+r"(steps), [pf] "+r"(pf)
 #define K6_CLOBBERS "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6",  \
     "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15"
 
@@ -159,11 +165,9 @@ static inline void k6x16_bf16(const float* xT, int64_t K, const uint16_t* w, flo
         K6_ROWS("vpbroadcastd", "vpslld $16, %%ymm14, %%ymm14\n\t")
         "vmovaps 64(%[x]), %%ymm12\n\t vmovaps 96(%[x]), %%ymm13\n\t"
         K6_ROWS("vpbroadcastd", "vpand %%ymm15, %%ymm14, %%ymm14\n\t")
-        "prefetcht0 (%[pf])\n\t add $24, %[pf]\n\t"
-        "add $128, %[x]\n\t add $4, %[w]\n\t add $4, %[w3]\n\t"
-        "dec %[steps]\n\t jnz 1b\n\t"
+        K6_NEXT("128")
         K6_STORE
-        : [x] "+r"(xT), [w] "+r"(w), [w3] "+r"(w3), [steps] "+r"(steps), [pf] "+r"(pf)
+        : K6_OUTPUTS
         : [rs] "r"(rs), [out] "r"(out), [mask] "r"(HIGH_HALF)
         : K6_CLOBBERS);
 }
@@ -178,11 +182,9 @@ static inline void k6x16_f32(const float* xT, int64_t K, const float* w, float* 
         "1:\n\t"
         "vmovaps (%[x]), %%ymm12\n\t vmovaps 32(%[x]), %%ymm13\n\t"
         K6_ROWS("vbroadcastss", "")
-        "prefetcht0 (%[pf])\n\t add $24, %[pf]\n\t"
-        "add $64, %[x]\n\t add $4, %[w]\n\t add $4, %[w3]\n\t"
-        "dec %[steps]\n\t jnz 1b\n\t"
+        K6_NEXT("64")
         K6_STORE
-        : [x] "+r"(xT), [w] "+r"(w), [w3] "+r"(w3), [steps] "+r"(steps), [pf] "+r"(pf)
+        : K6_OUTPUTS
         : [rs] "r"(rs), [out] "r"(out)
         : K6_CLOBBERS);
 }

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from backend.bench.workload import (
 )
 from backend.engine.decode_kernel import load_decode_kernel
 from backend.engine.fused_decode import MAX_ROWS
-from tests.backend.engine.conftest import cpu_has_avx2_fma, no_compiler
+from tests.backend.engine.conftest import cpu_has_avx2_fma, no_compiler, no_fused_step
 
 TARGET_KEYS = (
     "continuous_vs_static_tokens_per_s",
@@ -91,9 +90,7 @@ def test_matmul_bench_times_the_three_kernels_of_every_step_matmul(tmp_path: Pat
     if load_decode_kernel() is None:
         no_compiler()
     if not cpu_has_avx2_fma():
-        if os.environ.get("SLUICE_REQUIRE_NATIVE"):
-            pytest.fail("AVX2 + FMA CPU without the fused kernels")
-        pytest.skip("the fused kernels need AVX2 + FMA")
+        no_fused_step()
     out = tmp_path / "matmul.json"
     assert matmul.main(["--model", "test", "--rows", "1,12,20", "--rounds", "2",
                         "--json", str(out)]) == 0

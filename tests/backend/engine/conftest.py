@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -32,11 +32,16 @@ def cpu_has_avx2_fma() -> bool:
     return "avx2" in flags and "fma" in flags
 
 
+def no_fused_step() -> NoReturn:
+    """Skip where the CPU cannot run the fused decode steps (no AVX2 + FMA), fail where it
+    can and CI requires the native code."""
+    if os.environ.get("SLUICE_REQUIRE_NATIVE") and cpu_has_avx2_fma():
+        pytest.fail("no fused decode step on an AVX2 CPU (SLUICE_REQUIRE_NATIVE is set)")
+    pytest.skip("the fused decode step needs AVX2 + FMA")
+
+
 def fused_or_skip(model: Any) -> Any:
-    """The model's fused decode step; skip where the CPU cannot run it (no AVX2 + FMA), fail
-    where it can and CI requires the native code."""
+    """The model's fused decode step, or ``no_fused_step``."""
     if model.fused is None:
-        if os.environ.get("SLUICE_REQUIRE_NATIVE") and cpu_has_avx2_fma():
-            pytest.fail("no fused decode step on an AVX2 CPU (SLUICE_REQUIRE_NATIVE is set)")
-        pytest.skip("the fused decode step needs AVX2 + FMA")
+        no_fused_step()
     return model.fused
