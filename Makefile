@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install clean bench capacity
+.PHONY: run test lint install clean bench capacity
 
 $(STAMP): pyproject.toml setup.py telemetry/_otlp.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ test: $(STAMP)
 		echo "installing nginx (tests/deploy)"; \
 		apt-get update -qq && apt-get install -y -qq nginx >/dev/null; }
 	$(PY) -m pytest -q
+
+# Checked types and lint (configured in pyproject.toml); .ci/run runs both.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 bench: $(STAMP)
 	$(PY) -m backend.bench --quick

@@ -65,10 +65,13 @@ def _backend(args: argparse.Namespace) -> int:
 
     from backend.engine.async_engine import AsyncEngine
     from backend.engine.config import EngineConfig
-    from backend.engine.core_process import EngineClient
     from backend.engine.errors import EngineError
+    from backend.engine.process_transport import ProcessTransport
+    from backend.engine.thread_transport import ThreadTransport
+    from backend.faults import step_delay_hook
     from backend.server.app import ServerSettings
     from backend.server.serve import serve
+    from modelfiles.errors import ModelFileError
     from telemetry import Telemetry, TelemetryError
 
     logging.basicConfig(level=args.log_level.upper(),
@@ -83,19 +86,23 @@ def _backend(args: argparse.Namespace) -> int:
         print(f"sluice backend: cannot start: {exc}", file=sys.stderr)
         return 2
     try:
+        step_hook = step_delay_hook(args.fault_step_delay)
+    except ValueError as exc:
+        telemetry.shutdown()
+        print(f"sluice backend: {exc}", file=sys.stderr)
+        return 2
+    try:
         config = EngineConfig(
             model=args.model, device=args.device, dtype=args.dtype,
             block_size=args.block_size, kv_memory_gib=args.kv_memory, kv_blocks=args.kv_blocks,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache,
             seed=args.seed, served_model_name=args.served_model_name,
-            num_threads=args.threads, reserve_cores=1,
-            fault_step_delay_s=args.fault_step_delay / 1000)
-        if args.engine_in_process:
-            engine = AsyncEngine.from_config(config)
-        else:
-            engine = EngineClient.from_config(config)
-    except (EngineError, OSError) as exc:
+            num_threads=args.threads, reserve_cores=1)
+        # The core steps in an engine process of its own, or on a thread of this one.
+        transport = ThreadTransport if args.engine_in_process else ProcessTransport
+        engine = AsyncEngine(transport.from_config(config, step_hook=step_hook))
+    except (EngineError, ModelFileError, OSError) as exc:
         telemetry.shutdown()
         print(f"sluice backend: cannot start: {exc}", file=sys.stderr)
         return 2
@@ -103,8 +110,7 @@ def _backend(args: argparse.Namespace) -> int:
                               shutdown_timeout_s=args.shutdown_timeout,
                               drain_grace_s=args.drain_grace,
                               log_level=args.log_level, access_log=args.access_log)
-    assert engine.parts is not None
-    model = engine.parts.model_name
+    model = engine.info.model_name if engine.info is not None else args.model
 
     def ready() -> None:
         host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host

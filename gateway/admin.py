@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import os
 import secrets
 import time
@@ -42,6 +41,7 @@ from policies.tenant_store import (
     Record,
     TenantExists,
 )
+from protocol.http import LimitedBody, error_response, parse_json_object
 
 from .config import TenantEntry
 from .errors import (
@@ -49,7 +49,6 @@ from .errors import (
     BadRequest,
     GatewayError,
     NotFound,
-    PayloadTooLarge,
     PermissionDenied,
     ServiceUnavailable,
 )
@@ -80,11 +79,6 @@ class Principal:
     def require_tenant(self, tenant_id: str) -> None:
         if self.tenant is not None and self.tenant != tenant_id:
             raise PermissionDenied(f"this key administers tenant {self.tenant!r} only")
-
-
-def _error(err: GatewayError) -> Response:
-    return Response(err.json_bytes(), status_code=err.status, media_type="application/json",
-                    headers={k.decode(): v.decode() for k, v in err.headers()})
 
 
 def _invalid(exc: ValidationError) -> BadRequest:
@@ -127,20 +121,13 @@ def _validate(body: Record) -> Record:
 
 
 async def _body(request: Request, *, required: bool = True) -> Record:
-    raw = b""
+    body = LimitedBody(MAX_BODY_BYTES)
     async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > MAX_BODY_BYTES:
-            raise PayloadTooLarge(f"the body is over {MAX_BODY_BYTES} bytes")
+        body.add(chunk)
+    raw = body.body()
     if not raw.strip() and not required:
         return {}
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        raise BadRequest("the body is not valid JSON", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object", code="invalid_json")
-    return body
+    return parse_json_object(raw)
 
 
 Handler = Callable[[Request, Principal], Awaitable[Response]]
@@ -174,10 +161,11 @@ class AdminApi:
                     request.scope.setdefault("state", {})["tenant"] = who.tenant
                 return await handler(request, who)
             except GatewayError as err:
-                return _error(err)
+                return error_response(err)
             except StoreUnavailable:
-                return _error(ServiceUnavailable("the tenant store is unreachable right now",
-                                                 retry_after_s=1.0, code="store_unavailable"))
+                return error_response(ServiceUnavailable(
+                    "the tenant store is unreachable right now", retry_after_s=1.0,
+                    code="store_unavailable"))
         return endpoint
 
     def _principal(self, request: Request) -> Principal:

@@ -20,8 +20,8 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
 from policies.capacity import CapacityGate, MemoryGate
 from policies.memory import MemoryStore
@@ -55,7 +55,7 @@ _LIMIT_WORDS = {
 }
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class Ticket:
     """A granted reservation: what to settle, where."""
 
@@ -65,6 +65,17 @@ class Ticket:
     store: Store
     decision: Decision
     local: bool  # admitted by the fail-open local share
+
+
+@dataclass(slots=True, frozen=True)
+class AdmissionSnapshot:
+    """What the metrics read of admission, at scrape time."""
+
+    rejects: tuple[tuple[str, str, int], ...]  # (tenant, limit, count), sorted
+    fail_open: tuple[tuple[str, int], ...]  # (tenant, requests admitted by the local share)
+    store_errors: int
+    store_up: bool
+    leases_live: int
 
 
 def build_store(config: GatewayConfig) -> Store:
@@ -104,7 +115,8 @@ class Admission:
         self.store = store or build_store(config)
         self.gate = build_gate(self.store)
         self.local = MemoryStore()
-        self.renew_hooks: list[Any] = []  # more leases to renew on the same beat (slots)
+        # more leases to renew on the same beat (the queues' capacity slots)
+        self.renew_hooks: list[Callable[[], Awaitable[None]]] = []
         self.lease_ttl_s = config.admission.lease_ttl_s
         self.replicas = config.store.replicas
         self.live: dict[str, Ticket] = {}
@@ -129,9 +141,40 @@ class Admission:
             await asyncio.wait(self._settling, timeout=5.0)
         await self.store.close()
 
+    def snapshot(self) -> AdmissionSnapshot:
+        return AdmissionSnapshot(
+            rejects=tuple((t, lim, n) for (t, lim), n in sorted(self.rejects.items())),
+            fail_open=tuple(sorted(self.fail_open.items())), store_errors=self.store_errors,
+            store_up=self.store_up, leases_live=len(self.live))
+
     # ---- reserve --------------------------------------------------------------------------
-    async def reserve(self, tenant: Tenant, request_id: str, tokens: int) -> Ticket:
-        """A granted ticket, or a 429 / 503 ``GatewayError`` (nothing taken)."""
+    @contextlib.asynccontextmanager
+    async def reserve(self, tenant: Tenant, request_id: str, tokens: int,
+                      used: Callable[[], int]) -> AsyncIterator[Ticket]:
+        """Hold a reservation of ``tokens`` for the block; settle it at ``used()`` tokens
+        when the block ends, however it ends. Raises a 429 / 503 ``GatewayError`` when
+        refused (nothing taken).
+
+        The store call is shielded: a client leaving mid-call must not leave a granted
+        reservation behind, so it is settled at zero instead."""
+        call = asyncio.ensure_future(self.grant(tenant, request_id, tokens))
+        try:
+            ticket = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            def undo(done: asyncio.Future[Ticket]) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    self.settle(done.result(), 0)
+
+            call.add_done_callback(undo)
+            raise
+        try:
+            yield ticket
+        finally:
+            self.settle(ticket, used())
+
+    async def grant(self, tenant: Tenant, request_id: str, tokens: int) -> Ticket:
+        """A granted ticket, or a 429 / 503 ``GatewayError`` (nothing taken); the caller
+        settles it (``reserve`` does)."""
         store: Store = self.store
         quotas = tenant.quotas
         local = False

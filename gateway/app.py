@@ -18,20 +18,20 @@ from typing import Any
 
 import httpx
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from protocol.http import clean_request_id, error_response, exception_handlers
 from telemetry.config import resolve as resolve_telemetry
 
 from .admin import admin_routes
-from .client_io import clean_request_id, header
+from .client_io import header
 from .config import GatewayConfig, TenantsFile
 from .endpoint import ProxyEndpoint
-from .errors import GatewayError, InternalError, MethodNotAllowed, NotFound
+from .errors import GatewayError
 from .metrics import CONTENT_TYPE
-from .service import Gateway
+from .service import Gateway, build_gateway
 
 log = logging.getLogger("sluice.gateway")
 
@@ -87,11 +87,6 @@ class RequestIdMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
-
-
-def error_response(err: GatewayError) -> Response:
-    return Response(err.json_bytes(), status_code=err.status, media_type="application/json",
-                    headers={k.decode(): v.decode() for k, v in err.headers()})
 
 
 def gateway_of(request: Request) -> Gateway:
@@ -163,24 +158,6 @@ async def metrics(request: Request) -> Response:
     return Response(gw.metrics.render(), media_type=CONTENT_TYPE)
 
 
-async def _http_exception(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    if exc.status_code == 404:
-        return error_response(NotFound(f"no route {request.url.path}"))
-    if exc.status_code == 405:
-        return error_response(MethodNotAllowed(f"{request.method} is not allowed on "
-                                               f"{request.url.path}"))
-    err = GatewayError(str(exc.detail))
-    err.status = exc.status_code
-    return error_response(err)
-
-
-async def _unhandled(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error on %s", request.url.path, exc_info=exc)
-    return error_response(InternalError(f"internal error ({type(exc).__name__}); "
-                                        f"request id {request.scope['state'].get('request_id')}"))
-
-
 def create_app(config: GatewayConfig, tenants: TenantsFile, *,
                transport: httpx.AsyncBaseTransport | None = None) -> FastLane:
     """The gateway app (``.state.gateway`` once started); ``transport`` replaces httpx's
@@ -190,7 +167,7 @@ def create_app(config: GatewayConfig, tenants: TenantsFile, *,
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        gw = Gateway(config, tenants, transport)
+        gw = build_gateway(config, tenants, transport)
         await gw.start()
         app.state.gateway = gw
         # Everything built so far lives as long as the process: keep it out of the cyclic
@@ -219,7 +196,7 @@ def create_app(config: GatewayConfig, tenants: TenantsFile, *,
         *admin_routes(),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={HTTPException: _http_exception, Exception: _unhandled})
+                    exception_handlers=exception_handlers(log))
     app.state = state
     app.state.draining = False
     app.state.gateway = None

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -187,7 +187,7 @@ def _wait_backend(proc: subprocess.Popen[bytes], url: str, timeout_s: float) -> 
     raise RuntimeError(f"the bundled backend did not become healthy in {timeout_s:.0f} s")
 
 
-def _detect_kind(url: str, name: str) -> str:
+def _detect_kind(url: str, name: str) -> Literal["sluice", "openai"]:
     """`sluice` when the upstream is a bundled backend (it reports resolved versions)."""
     import httpx
 
@@ -265,7 +265,7 @@ def _up(args: argparse.Namespace) -> int:
             upstream = args.upstream.rstrip("/").removesuffix("/v1")
             name = args.model_name
             kind = _detect_kind(upstream, name)
-            entry = ModelEntry(name=name, upstream=upstream, kind=kind)  # type: ignore[arg-type]
+            entry = ModelEntry(name=name, upstream=upstream, kind=kind)
         else:
             backend_url = f"http://127.0.0.1:{args.backend_port}"
             print(f"starting the bundled backend (model {args.model}) on {backend_url} …",

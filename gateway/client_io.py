@@ -7,16 +7,28 @@ status, body messages go to the server's ``send`` through one wrapper, the stall
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from .errors import BadRequest, GatewayError, PayloadTooLarge
-from .sse import DONE, dumps
-from .stamp import Stamp
+from protocol.http import LimitedBody
+from protocol.versions import RESOLVED_HEADER, ResolvedVersions
+
+from .errors import BadRequest, GatewayError
 from .tracing import NO_TRACE, NoTrace
 
+__all__ = [
+    "ClientGone",
+    "ClientStalled",
+    "Reply",
+    "Scope",
+    "deadline_header",
+    "header",
+    "read_body",
+    "send_error",
+    "stamp_headers",
+]
+
 Scope = dict[str, Any]
-MAX_REQUEST_ID_LEN = 128
+_RESOLVED = RESOLVED_HEADER.encode()
 
 
 class ClientGone(Exception):
@@ -36,32 +48,14 @@ def header(scope: Scope, name: bytes) -> bytes | None:
 
 async def read_body(scope: Scope, receive: Any, limit: int) -> bytes:
     """The request body, refusing more than ``limit`` bytes before reading them all."""
-    length = header(scope, b"content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise PayloadTooLarge(f"the request body is {int(length)} bytes; your limit is {limit}")
-    parts: list[bytes] = []
-    size = 0
+    body = LimitedBody(limit, header(scope, b"content-length"))
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientGone
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"the request body exceeds your limit of {limit} bytes")
-        parts.append(chunk)
+        body.add(message.get("body", b""))
         if not message.get("more_body", False):
-            return b"".join(parts)
-
-
-def parse_json(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-        raise BadRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object", code="invalid_json")
-    return body
+            return body.body()
 
 
 def deadline_header(scope: Scope) -> int | None:
@@ -75,21 +69,10 @@ def deadline_header(scope: Scope) -> int | None:
     return int(text)
 
 
-def stamp_headers(stamp: Stamp | None) -> list[tuple[bytes, bytes]]:
+def stamp_headers(stamp: ResolvedVersions | None) -> list[tuple[bytes, bytes]]:
     if stamp is None:
         return []
-    return [(b"x-sluice-resolved", stamp.header_value().encode("latin-1", "replace"))]
-
-
-def clean_request_id(raw: bytes | None) -> str | None:
-    """The client's x-request-id if it is short printable ASCII, else None (we make one)."""
-    if not raw or len(raw) > MAX_REQUEST_ID_LEN:
-        return None
-    try:
-        text = raw.decode("ascii")
-    except UnicodeDecodeError:
-        return None
-    return text if text.isprintable() and text.strip() == text else None
+    return [(_RESOLVED, stamp.header_value().encode("latin-1", "replace"))]
 
 
 class Reply:
@@ -123,7 +106,7 @@ class Reply:
         await self.send({"type": "http.response.start", "status": status, "headers": headers})
 
 
-async def send_error(reply: Reply, err: GatewayError, stamp: Stamp | None) -> None:
+async def send_error(reply: Reply, err: GatewayError, stamp: ResolvedVersions | None) -> None:
     body = err.json_bytes()
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode())]
@@ -131,10 +114,3 @@ async def send_error(reply: Reply, err: GatewayError, stamp: Stamp | None) -> No
     reply.failed(err)
     await reply.start(err.status, headers)
     await reply.send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-def error_event(err: GatewayError) -> bytes:
-    """An in-stream error (headers already sent); the openai SDK raises APIError on it."""
-    payload = err.body()
-    payload["error"]["status"] = err.status  # type: ignore[index]
-    return b"data: " + dumps(payload).encode() + b"\n\n" + DONE

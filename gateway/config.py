@@ -19,6 +19,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from protocol.contract import CAPABILITIES, OPENAI_CAPABILITIES, SLUICE_CAPABILITIES
 from telemetry.config import TelemetryConfig
 
 from .errors import ConfigError
@@ -27,24 +28,10 @@ ENV_PREFIX = "SLUICE_"
 _TENANT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _KEY_HASH = re.compile(r"^sha256:[0-9a-f]{64}$")
 
-# Optional request features an upstream may or may not implement. A request that uses one
-# (with a non-default value) on a model whose upstream lacks it gets a 400 naming the field.
-CAPABILITIES = frozenset({
-    "n", "tools", "response_format", "logprobs", "logit_bias", "penalties", "top_k", "min_p",
-    "repetition_penalty", "ignore_eos", "stop_token_ids", "min_tokens", "best_of", "echo",
-    "suffix", "priority", "cache_salt", "continuous_usage_stats", "reasoning_effort",
-    "service_tier", "store", "metadata", "seed", "stop", "user",
-})
-# What the bundled backend implements; what a generic OpenAI-compatible server is assumed
-# to implement unless its entry says otherwise (vLLM and SGLang do all of these).
-SLUICE_CAPABILITIES = frozenset({
-    "top_k", "ignore_eos", "stop_token_ids", "priority", "cache_salt", "continuous_usage_stats",
-    "seed", "stop", "user",
-})
-OPENAI_CAPABILITIES = frozenset({
-    "n", "tools", "response_format", "logprobs", "logit_bias", "penalties", "seed", "stop",
-    "user",
-})
+# Optional request features an upstream may or may not implement (protocol.contract): a
+# request that uses one (with a non-default value) on a model whose upstream lacks it gets
+# a 400 naming the field. A kind-"sluice" upstream has SLUICE_CAPABILITIES, what the bundled
+# backend serves; any other OPENAI_CAPABILITIES, unless its entry says otherwise.
 
 
 class _Strict(BaseModel):

@@ -1,7 +1,7 @@
 """The ASGI endpoint of the generation routes: the request's two tasks and its client.
 
-Each request runs as two tasks: the work (an ``Exchange``: validation, upstream call,
-relay, settlement) and a watcher on the client's connection. When the client leaves, at
+Each request runs as two tasks: the work (an ``Exchange``: its stages from validation to
+settlement) and a watcher on the client's connection. When the client leaves, at
 any stage, the watcher cancels the work; cancellation closes the upstream response, which
 the bundled backend sees as a disconnect and aborts the request in the engine.
 
@@ -24,22 +24,23 @@ import time
 import uuid
 from typing import Any
 
+from protocol.http import clean_request_id, parse_json_object
+
 from .client_io import (
     ClientGone,
     ClientStalled,
     Reply,
     Scope,
-    clean_request_id,
     deadline_header,
     header,
-    parse_json,
     read_body,
     send_error,
 )
+from .contract import Kind
 from .errors import GatewayError, InternalError, ServiceUnavailable
+from .exchange import Exchange
 from .metrics import RequestTimes
-from .observe import classify, observe
-from .relay import Exchange
+from .observe import observe, outcome_of
 from .service import Gateway
 from .tracing import AUTH, NO_TRACE, request_trace
 
@@ -90,7 +91,7 @@ class ProxyEndpoint:
     exception is logged and answered with a 500 in OpenAI's shape, never a stack trace.
     """
 
-    def __init__(self, kind: str, route: str, app_state: Any) -> None:
+    def __init__(self, kind: Kind, route: str, app_state: Any) -> None:
         self.kind = kind
         self.route = route
         self.app_state = app_state  # Starlette's app.state: the lifespan puts the Gateway there
@@ -114,9 +115,10 @@ class ProxyEndpoint:
                 await send_error(reply, InternalError(
                     f"internal error ({type(exc).__name__}); request id {request_id}"), None)
         finally:
-            outcome = classify(reply, exchange)
-            observe(gw, reply, exchange, times, outcome)
-            trace.finish(reply.status or 499, outcome)
+            ended = exchange.ended if exchange is not None else None
+            outcome = outcome_of(reply, ended)
+            observe(gw.metrics, reply, ended, times, outcome)
+            trace.finish(reply.status or 499, outcome.value)
 
     async def _serve(self, gw: Gateway, scope: Scope, receive: Any, reply: Reply,
                      times: RequestTimes) -> Exchange | None:
@@ -140,7 +142,7 @@ class ProxyEndpoint:
             limit = gw.config.max_body_bytes
             if tenant.caps.max_body_bytes is not None:
                 limit = min(limit, tenant.caps.max_body_bytes)
-            body = parse_json(await read_body(scope, receive, limit))
+            body = parse_json_object(await read_body(scope, receive, limit))
             deadline_ms = deadline_header(scope)
         except GatewayError as err:
             await send_error(reply, err, None)
@@ -154,7 +156,6 @@ class ProxyEndpoint:
         try:
             await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
             if not work.done():  # the client left first
-                exchange.client_gone = True
                 work.cancel()
             await asyncio.gather(work, return_exceptions=True)
             if work.done() and not work.cancelled() and work.exception() is not None:

@@ -2,162 +2,212 @@
 
 One request makes at most ``retry.max_attempts`` attempts, each on a different member. A
 failed attempt is retried only when all of these hold:
-* it failed in a way that says the *server* is unwell (``Fault``): connect refused or timed
-  out, a 5xx, no answer within ``first_byte_s``, the connection broken before the answer;
-  never a 4xx, never a client that left;
+* it failed in a way that says the *server* is unwell (``upstream.Fault``): connect refused
+  or timed out, a 5xx, no answer within ``first_byte_s``, the connection broken before the
+  answer; never a 4xx, never a client that left;
 * no byte has reached the client yet (a streamed answer is never replayed);
 * another member can take it (breaker closed or probing, no Retry-After pending);
 * the retry budget has a retry to spend (``policies.retry_budget``: ≤ 10 % extra load).
-The retry waits a fully jittered backoff, gives its capacity slot back on the failed member
-and takes one on the next (its quota reservation stays: the request is charged once, at
-settlement). An upstream's Retry-After keeps its member out of routing until then.
+The retry waits a fully jittered backoff, then trades its capacity slot on the failed member
+for one on the next (the caller's ``move``; its quota reservation stays: the request is
+charged once, at settlement). An upstream's Retry-After keeps its member out of routing
+until then.
 
-Every attempt records its outcome on the member's breaker exactly once (``Attempt.done``,
-called by ``Exchange.call_member``) and is its own ``sluice.upstream`` phase on the trace,
-with the member, the attempt number, the breaker state (and the transition the outcome
-caused) and, when it failed, ``error.type`` (the fault, e.g. a timeout's kind); the wait
-before a retry is a ``sluice.retry.backoff`` phase.
+Every attempt records its outcome on the member's breaker exactly once (``Attempt.done``)
+and is its own ``sluice.upstream`` phase on the trace, with the member, the attempt number,
+the breaker state (and the transition the outcome caused), the upstream's status and, when
+it failed, ``error.type`` (the fault, e.g. a timeout's kind); the wait before a retry is a
+``sluice.retry.backoff`` phase.
+
+``Failover`` knows nothing of the relay: it calls narrow callables (``call`` an attempt,
+``started`` whether the client has bytes, ``move`` the slot), so it is tested alone.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
 
-from policies.breaker import Outcome, Pass
+from policies.breaker import Outcome as Verdict
+from policies.breaker import Pass
+from policies.retry_budget import RetryBudget
 
 from .errors import GatewayError, GatewayTimeout, ServiceUnavailable
-from .pool import AllOpen, Member
+from .pool import AllOpen, Member, Router
+from .tracing import UPSTREAM, NoTrace
+from .upstream import Fault
 
-if TYPE_CHECKING:
-    from .relay import Exchange
+T = TypeVar("T")
+Headers = list[tuple[bytes, bytes]]
 
 
 class CircuitOpen(ServiceUnavailable):
     code = "upstream_circuit_open"
 
 
-class Fault(Exception):
-    """An attempt failed because of the server; ``err`` is what the client would get."""
-
-    def __init__(self, reason: str, err: GatewayError,
-                 retry_after_s: float | None = None) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.err = err
-        self.retry_after_s = retry_after_s
-
-
 @dataclass(slots=True, eq=False)
 class Attempt:
+    """One try on one member. ``headers`` (the trace context for the upstream) is set
+    before the call; ``status`` is the upstream's HTTP status, set by the call once the
+    upstream answers."""
+
     member: Member
     grant: Pass
     number: int
     tokens: int
+    headers: Headers = field(default_factory=list)
+    status: int = 0
     recorded: bool = False
 
     def begin(self) -> None:
         self.member.inflight_tokens += self.tokens
         self.member.inflight_requests += 1
 
-    def done(self, outcome: Outcome) -> None:
+    def done(self, verdict: Verdict) -> None:
         """Judge the server once; frees a half-open probe place and the load it carried."""
         if self.recorded:
             return
         self.recorded = True
         self.member.inflight_tokens -= self.tokens
         self.member.inflight_requests -= 1
-        self.member.breaker.record(self.grant, outcome)
+        self.member.breaker.record(self.grant, verdict)
 
 
-def first_attempt(ex: Exchange) -> Attempt:
-    """Route a new request; ``CircuitOpen`` (503, Retry-After) when no member can take it."""
-    p = ex.p
-    assert p is not None
-    up = p.upstream
-    try:
-        member, grant = up.router.pick(p.worst_case, ex.prefix_key)
-    except AllOpen as exc:
-        ex.gw.metrics.count_retry(up.name, "all_open")
-        raise CircuitOpen(f"every server of the model {up.name!r} is failing; the next "
-                          f"probe is due in {exc.retry_after_s:.3f} s",
-                          retry_after_s=exc.retry_after_s) from None
-    attempt = Attempt(member, grant, 1, p.worst_case)
-    attempt.begin()
-    return attempt
+class RetryCounter(Protocol):
+    """Where failover counts its decisions (the gateway's metrics)."""
+
+    def count_retry(self, model: str, outcome: str) -> None: ...
+    def count_failure(self, member: Member, reason: str) -> None: ...
 
 
-async def call_with_failover(ex: Exchange) -> None:
-    """Call ``ex.attempt``'s member, retrying elsewhere while the rules above allow."""
-    p = ex.p
-    assert p is not None and ex.attempt is not None
-    gw = ex.gw
-    budget = gw.retry_budget
-    budget.on_request()
-    tried = {ex.attempt.member.key}
-    while True:
-        attempt = ex.attempt
+class Failover:
+    """The attempts of one request on ``model``'s pool."""
+
+    def __init__(self, model: str, router: Router, budget: RetryBudget,
+                 counter: RetryCounter, trace: NoTrace, tokens: int,
+                 prefix_key: bytes | None = None) -> None:
+        self.model = model
+        self.router = router
+        self.budget = budget
+        self.counter = counter
+        self.trace = trace
+        self.tokens = tokens
+        self.prefix_key = prefix_key
+        self.attempt: Attempt | None = None  # the one being tried
+        self._tried: set[str] = set()  # members tried, by key
+
+    def first(self) -> Attempt:
+        """Route a new request; ``CircuitOpen`` (503, Retry-After) when no member can."""
         try:
-            await ex.call_member(attempt.member)  # judges the member on its breaker
+            member, grant = self.router.pick(self.tokens, self.prefix_key)
+        except AllOpen as exc:
+            self.counter.count_retry(self.model, "all_open")
+            raise CircuitOpen(f"every server of the model {self.model!r} is failing; the "
+                              f"next probe is due in {exc.retry_after_s:.3f} s",
+                              retry_after_s=exc.retry_after_s) from None
+        self.attempt = Attempt(member, grant, 1, self.tokens)
+        self.attempt.begin()
+        self._tried.add(member.key)
+        return self.attempt
+
+    def close(self) -> None:
+        """An attempt never called (refused, cancelled first) gives no verdict."""
+        if self.attempt is not None:
+            self.attempt.done("neutral")
+
+    async def run(self, call: Callable[[Attempt], Awaitable[T]], started: Callable[[], bool],
+                  move: Callable[[Member], Awaitable[None]]) -> T:
+        """Call the first attempt's member, retrying elsewhere while the rules allow."""
+        if self.attempt is None:
+            raise RuntimeError("Failover.run before Failover.first")
+        self.budget.on_request()
+        while True:
+            attempt = self.attempt
+            try:
+                return await self._call(attempt, call)
+            except Fault as fault:
+                self.counter.count_failure(attempt.member, fault.reason)
+                if fault.retry_after_s:
+                    m = attempt.member
+                    m.not_before = max(m.not_before, m.clock() + fault.retry_after_s)
+                nxt = None if started() else self._next(attempt)
+                if nxt is None:
+                    raise fault.err from None
+                await self._move_to(nxt, move, self.budget.backoff(nxt.number - 1))
+
+    async def _call(self, attempt: Attempt, call: Callable[[Attempt], Awaitable[T]]) -> T:
+        """One attempt, judged on the member's breaker and traced as one phase."""
+        member = attempt.member
+        trace = self.trace
+        span = trace.start(UPSTREAM, {
+            "server.address": self.model, "sluice.upstream.member": member.url,
+            "sluice.attempt": attempt.number, "sluice.breaker.state": member.breaker.state,
+            "sluice.breaker.probe": attempt.grant.probe}) if trace.recording else None
+        attempt.headers = trace.upstream_headers(span)
+        failed: str | None = None
+        verdict: Verdict = "neutral"  # a 4xx, the client gone: says nothing of the server
+        try:
+            result = await call(attempt)
+            verdict = "success"
+            return result
         except Fault as fault:
-            gw.metrics.count_failure(attempt.member, fault.reason)
-            if fault.retry_after_s:
-                m = attempt.member
-                m.not_before = max(m.not_before, m.clock() + fault.retry_after_s)
-            nxt = _next(ex, fault, tried)
-            if nxt is None:
-                raise fault.err from None
-            tried.add(nxt.member.key)
-            await _move_to(ex, nxt, budget.backoff(nxt.number - 1))
-            continue
-        return
-
-
-def _next(ex: Exchange, fault: Fault, tried: set[str]) -> Attempt | None:
-    """The next attempt, or None when this failure goes to the client."""
-    p = ex.p
-    assert p is not None and ex.attempt is not None
-    metrics = ex.gw.metrics
-    model = p.upstream.name
-    if ex.reply.started:
-        return None
-    budget = ex.gw.retry_budget
-    if ex.attempt.number >= budget.policy.max_attempts:
-        metrics.count_retry(model, "attempts_exhausted")
-        return None
-    try:
-        member, grant = p.upstream.router.pick(p.worst_case, ex.prefix_key, frozenset(tried))
-    except AllOpen:
-        metrics.count_retry(model, "no_other_upstream")
-        return None
-    if not budget.try_retry():
-        member.breaker.record(grant, "neutral")
-        metrics.count_retry(model, "budget_exhausted")
-        return None
-    metrics.count_retry(model, "retried")
-    return Attempt(member, grant, ex.attempt.number + 1, p.worst_case)
-
-
-async def _move_to(ex: Exchange, nxt: Attempt, backoff_s: float) -> None:
-    """Back off, then trade the capacity slot on the failed member for one on ``nxt``."""
-    p = ex.p
-    assert p is not None
-    nxt.begin()
-    ex.attempt = nxt
-    ex.release_slot()
-    try:
-        span = ex.trace.start("sluice.retry.backoff", {"sluice.attempt": nxt.number,
-                                                       "sluice.upstream.member": nxt.member.url})
-        try:
-            await asyncio.sleep(backoff_s)
+            failed, verdict = fault.reason, "failure"
+            raise
+        except GatewayError as err:
+            failed = err.code or type(err).__name__
+            raise
         finally:
-            ex.trace.end(span, **{"sluice.backoff_ms": round(backoff_s * 1000, 3)})
-        await ex.take_slot(ex.gw.queues[nxt.member.key])
-    except TimeoutError:
-        nxt.done("neutral")
-        raise GatewayTimeout("the request's deadline passed while retrying",
-                             code="deadline_exceeded") from None
-    except BaseException:
-        nxt.done("neutral")
-        raise
+            if span is None:  # not traced
+                attempt.done(verdict)
+            else:
+                before = member.breaker.state
+                attempt.done(verdict)  # judged here: a transition is on this span
+                attrs: dict[str, Any] = {"http.response.status_code": attempt.status}
+                if failed is not None:
+                    attrs["error.type"] = failed
+                after = member.breaker.state
+                if after != before:
+                    attrs["sluice.breaker.transition"] = f"{before}->{after}"
+                trace.end(span, **attrs)
+
+    def _next(self, failed: Attempt) -> Attempt | None:
+        """The next attempt, or None when this failure goes to the client."""
+        if failed.number >= self.budget.policy.max_attempts:
+            self.counter.count_retry(self.model, "attempts_exhausted")
+            return None
+        try:
+            member, grant = self.router.pick(self.tokens, self.prefix_key,
+                                             frozenset(self._tried))
+        except AllOpen:
+            self.counter.count_retry(self.model, "no_other_upstream")
+            return None
+        if not self.budget.try_retry():
+            member.breaker.record(grant, "neutral")
+            self.counter.count_retry(self.model, "budget_exhausted")
+            return None
+        self.counter.count_retry(self.model, "retried")
+        return Attempt(member, grant, failed.number + 1, self.tokens)
+
+    async def _move_to(self, nxt: Attempt, move: Callable[[Member], Awaitable[None]],
+                       backoff_s: float) -> None:
+        """Back off, then trade the capacity slot on the failed member for one on ``nxt``."""
+        nxt.begin()
+        self.attempt = nxt
+        self._tried.add(nxt.member.key)
+        try:
+            span = self.trace.start("sluice.retry.backoff", {
+                "sluice.attempt": nxt.number, "sluice.upstream.member": nxt.member.url})
+            try:
+                await asyncio.sleep(backoff_s)
+            finally:
+                self.trace.end(span, **{"sluice.backoff_ms": round(backoff_s * 1000, 3)})
+            await move(nxt.member)
+        except TimeoutError:
+            nxt.done("neutral")
+            raise GatewayTimeout("the request's deadline passed while retrying",
+                                 code="deadline_exceeded") from None
+        except BaseException:
+            nxt.done("neutral")
+            raise

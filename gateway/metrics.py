@@ -6,8 +6,7 @@ every one of them.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
 
 from policies.breaker import STATE_VALUE
 from telemetry.metrics import (
@@ -19,9 +18,11 @@ from telemetry.metrics import (
     Registry,
 )
 
+from .admission import AdmissionSnapshot
 from .pool import Member
-from .upstream import Upstream
-from .usage import UsageLedger
+from .queue import QueueSnapshot
+from .upstream import UpstreamSnapshot
+from .usage import LedgerSnapshot
 
 __all__ = ["CONTENT_TYPE", "GatewayMetrics", "RequestTimes"]
 
@@ -91,7 +92,9 @@ class GatewayMetrics:
         self.retries: dict[tuple[str, str], int] = {}  # (model, outcome) -> count
         self.failures: dict[tuple[str, str, str], int] = {}  # (model, upstream, reason)
         self.client_stalls = 0
-        self._state: tuple[UsageLedger, dict[str, Upstream], dict[str, Any], Any] | None = None
+        self._state: tuple[Callable[[], LedgerSnapshot], Callable[[], list[UpstreamSnapshot]],
+                           Callable[[], list[QueueSnapshot]],
+                           Callable[[], AdmissionSnapshot]] | None = None
         r.collector(self._live)
 
     def count_retry(self, model: str, outcome: str) -> None:
@@ -102,9 +105,11 @@ class GatewayMetrics:
         key = (member.model, member.url, reason)
         self.failures[key] = self.failures.get(key, 0) + 1
 
-    def bind(self, ledger: UsageLedger, upstreams: dict[str, Upstream],
-             queues: dict[str, Any], admission: Any) -> None:
-        """Where the scrape-time values live (the Gateway's parts)."""
+    def bind(self, ledger: Callable[[], LedgerSnapshot],
+             upstreams: Callable[[], list[UpstreamSnapshot]],
+             queues: Callable[[], list[QueueSnapshot]],
+             admission: Callable[[], AdmissionSnapshot]) -> None:
+        """Where the scrape-time values come from: the parts' snapshots."""
         self._state = (ledger, upstreams, queues, admission)
 
     def observe_response(self, route: str, tenant: str, status: int) -> None:
@@ -118,54 +123,52 @@ class GatewayMetrics:
                      "Generation requests in flight.").add(self.inflight)
         if self._state is None:
             return
-        ledger, upstreams, queues, admission = self._state
+        ledger_of, upstreams_of, queues_of, admission_of = self._state
+        ledger, ups, qs, adm = ledger_of(), upstreams_of(), queues_of(), admission_of()
         yield _family(P + "requests_settled_total", "counter", "Settled generation requests.",
-                      ((v, {"tenant": t, "model": m, "outcome": o})
-                       for (t, m, o), v in sorted(ledger.by_key.items())))
+                      ((n, {"tenant": t, "model": m, "outcome": o})
+                       for t, m, o, n in ledger.settled))
         tokens = Family(P + "tokens_total", "counter", "Settled tokens per tenant.")
-        for tenant, usage in sorted(ledger.by_tenant.items()):
-            tokens.add(usage.prompt_tokens, tenant=tenant, type="prompt")
-            tokens.add(usage.completion_tokens, tenant=tenant, type="completion")
+        for tenant, prompt, completion in ledger.tokens:
+            tokens.add(prompt, tenant=tenant, type="prompt")
+            tokens.add(completion, tenant=tenant, type="completion")
         yield tokens
         yield _family(P + "upstream_ready", "gauge", "Whether the upstream's versions are known.",
-                      ((1 if up.ready else 0, {"model": n}) for n, up in upstreams.items()))
-        qs = sorted(queues.items())
+                      ((1 if up.ready else 0, {"model": up.name}) for up in ups))
         yield _family(P + "queue_length", "gauge", "Requests waiting for upstream capacity.",
-                      ((q.size, {"model": n}) for n, q in qs))
+                      ((q.size, {"model": q.upstream}) for q in qs))
         yield _family(P + "slots_held", "gauge",
                       "Upstream slots (in-flight requests) this replica holds.",
-                      ((len(q.held), {"model": n}) for n, q in qs))
+                      ((q.slots_held, {"model": q.upstream}) for q in qs))
         yield _family(P + "upstream_inflight_tokens", "gauge", "Worst-case tokens (prompt + "
                       "max output) of the requests in flight to the upstream.",
-                      ((q.held_tokens, {"model": n}) for n, q in qs))
+                      ((q.held_tokens, {"model": q.upstream}) for q in qs))
         yield _family(P + "dispatched_total", "counter", "Requests dispatched from the queue.",
-                      ((c, {"model": n, "tenant": t}) for n, q in qs
-                       for t, c in sorted(q.dispatched.items())))
+                      ((c, {"model": q.upstream, "tenant": t}) for q in qs
+                       for t, c in sorted(q.dispatched)))
         yield _family(P + "rejects_total", "counter", "Requests refused by a tenant limit.",
-                      ((v, {"tenant": t, "limit": lim})
-                       for (t, lim), v in sorted(admission.rejects.items())))
+                      ((n, {"tenant": t, "limit": lim}) for t, lim, n in adm.rejects))
         yield _family(P + "fail_open_total", "counter", "Requests admitted by the local share "
                       "while the quota store was unreachable.",
-                      ((v, {"tenant": t}) for t, v in sorted(admission.fail_open.items())))
+                      ((n, {"tenant": t}) for t, n in adm.fail_open))
         yield Family(P + "store_errors_total", "counter",
-                     "Quota store calls that failed.").add(admission.store_errors)
+                     "Quota store calls that failed.").add(adm.store_errors)
         yield Family(P + "store_up", "gauge", "1 when the last quota-store call worked.").add(
-            1 if admission.store_up else 0)
+            1 if adm.store_up else 0)
         yield Family(P + "leases_live", "gauge",
-                     "Quota leases held by this replica.").add(len(admission.live))
-        yield from _resilience(self, upstreams)
+                     "Quota leases held by this replica.").add(adm.leases_live)
+        yield from _resilience(self, ups)
 
 
-def _resilience(m: GatewayMetrics, upstreams: dict[str, Upstream]) -> Iterator[Family]:
-    members = [(n, mb) for n, up in upstreams.items() for mb in up.members]
+def _resilience(m: GatewayMetrics, ups: list[UpstreamSnapshot]) -> Iterator[Family]:
+    members = [(up.name, mb) for up in ups for mb in up.members]
     yield _family(P + "breaker_state", "gauge", "Circuit breaker of each upstream server: "
                   "0 closed, 1 half-open, 2 open.",
-                  ((STATE_VALUE[mb.breaker.state], {"model": n, "upstream": mb.url})
+                  ((STATE_VALUE[mb.breaker_state], {"model": n, "upstream": mb.url})
                    for n, mb in members))
     yield _family(P + "breaker_transitions_total", "counter", "Breaker moves, by the state "
                   "moved to.", ((c, {"model": n, "upstream": mb.url, "state": s})
-                                for n, mb in members
-                                for s, c in sorted(mb.breaker.transitions.items())))
+                                for n, mb in members for s, c in mb.transitions))
     yield _family(P + "upstream_failures_total", "counter", "Attempts that failed because of "
                   "the server, by reason (connect, connect_timeout, first_byte_timeout, "
                   "idle_timeout, http_5xx, broken, disconnected).",
@@ -176,7 +179,7 @@ def _resilience(m: GatewayMetrics, upstreams: dict[str, Upstream]) -> Iterator[F
                   "all_open counts requests refused because every server's breaker was open.",
                   ((c, {"model": n, "outcome": o}) for (n, o), c in sorted(m.retries.items())))
     yield _family(P + "upstream_connections", "gauge", "Connections to the server lent to "
-                  "requests now.", ((mb.pool.active, {"model": n, "upstream": mb.url})
+                  "requests now.", ((mb.connections, {"model": n, "upstream": mb.url})
                                     for n, mb in members))
     yield Family(P + "client_stalls_total", "counter", "Requests cancelled because the client "
                  "read nothing for timeouts.client_stall_s.").add(m.client_stalls)

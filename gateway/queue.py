@@ -1,35 +1,21 @@
-"""The dispatch queue of one upstream: bounded, by priority with aging, fair across tenants.
+"""The dispatch queue of one upstream, in asyncio: waiters, the pump, the capacity gate.
 
 A request waits here (after its quota reservation) until the upstream has room for it: the
 capacity gate (``policies.capacity``) grants a slot while the upstream's in-flight
 worst-case tokens stay within its KV token capacity × overcommit and its in-flight
 sequences within its max. With room and nobody waiting, a request passes straight through.
+Who goes next, who is shed and the predicted wait are ``policies.fair_queue``'s (order,
+fair share, aging, reserve, drain estimate: the algorithm and why it is right are there).
 
-Order. The class of a waiting request is ``priority - floor(waited / aging_s)`` (lower is
-more urgent), so low priority eventually runs. Within the most urgent class, the tenant with
-the least *virtual time* goes first; a dispatch advances its tenant's virtual time by
-``1 / weight``, and a tenant that starts waiting starts at the least virtual time of those
-waiting (no credit banked while idle): one tenant flooding cannot starve another of the
-same class, which gets its weighted share of dispatches.
+This module owns what needs a loop: one future per waiter, the pump task that asks the gate
+for the most urgent waiter's slot, the gate calls (and a local fail-open gate while the
+shared one is unreachable), releases in tasks the queue owns, slot renewals, and the early
+slot (asked for while the quota store reserves).
 
-Shedding, at enqueue:
-    queue full (``max_len``) or the tenant's ``max_queued``      503 / 429
-    predicted wait > the request's deadline                      503
-    the deadline passes while waiting                            504
-with ``predicted wait = worst-case tokens waiting ahead (this request's class or more
-urgent, plus its own) ÷ drain rate``, the drain rate being the worst-case tokens of slots
-released per second over the last ``DRAIN_WINDOW_S`` (or since the first slot, if sooner).
-Before any slot was released there is no rate, and no request is shed by prediction. Retry-After is that predicted wait.
-
-Reserve for urgent work (``queue.reserve_share``, off by default). A request with a priority
-above ``queue.reserve_priority`` (batch) starts only while the upstream's in-flight
-sequences and worst-case tokens, its own included, stay within ``1 - reserve_share`` of the
-capacity; urgent requests may use all of it. Without a reserve, long batch generations can
-hold every slot, and an interactive request waits for one of them to finish however urgent
-it is. The check is on the upstream's total (one atomic gate call, shared by replicas), so
-while urgent work alone fills more than the batch share, batch waits: strict priority, as
-in the queue's order; aging moves a batch request ahead of other batch, never into the
-reserve.
+    async with queue.early(req) as early:            # None when requests wait
+        ...reserve...                                # fails / cancelled: early slot given back
+        async with queue.slot(req, early) as slot:   # the early slot, or wait for one
+            ...call the upstream...                  # however it ends: slot released
 
 A client that leaves while waiting is removed at once (its task is cancelled); one that
 leaves just as it was granted a slot gives the slot back.
@@ -38,24 +24,23 @@ leaves just as it was granted a slot gives the slot back.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
-import math
 import time
-from collections.abc import Callable
+import types
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from policies.capacity import CapacityGate, MemoryGate
+from policies.fair_queue import DEFAULT_RETRY_S, Entry, FairQueue, Reserve, Shed, ShedReason
 from policies.store import StoreUnavailable
 
 from .errors import GatewayError, GatewayTimeout, ServiceUnavailable
 
 log = logging.getLogger("sluice.gateway.queue")
 
-DRAIN_WINDOW_S = 10.0
 POLL_S = 0.02  # other replicas' releases are not announced: re-try the gate this often
-DEFAULT_RETRY_S = 1.0
 UNDO_AGAIN_S = 1.0  # a second try at undoing a timed-out slot acquire (it may land late)
 
 
@@ -71,14 +56,58 @@ class TenantQueueFull(GatewayError):
     code = "max_queued"
 
 
-@dataclass(slots=True, eq=False)
-class Waiter:
+@dataclass(slots=True, frozen=True)
+class SlotRequest:
+    """What the queue needs of a request (``deadline`` on the loop's clock)."""
     request_id: str
     tenant: str
     weight: float
     priority: int
+    tokens: int  # worst case: prompt + max output
+    deadline: float | None
+    max_queued: int | None
+    fail_open: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class Slot:
+    """A slot held for a request. ``slot()`` releases it on exit; ``release`` gives it
+    back sooner (before a retry elsewhere), once."""
+    request_id: str
     tokens: int
-    arrival: float
+    waited_s: float
+    early: bool  # the early attempt's slot
+    _release: Callable[[str, int], None] = field(repr=False)
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._release(self.request_id, self.tokens)
+
+
+@dataclass(slots=True, eq=False)
+class EarlyAttempt:
+    """A gate call started before the reservation; ``consumed`` once a slot() took it."""
+    request_id: str
+    task: asyncio.Task[bool] = field(repr=False)
+    consumed: bool = False
+
+
+@dataclass(slots=True, frozen=True)
+class QueueSnapshot:
+    upstream: str
+    size: int  # requests waiting
+    waiting_tokens: int  # their worst-case tokens
+    slots_held: int  # slots this replica holds (in-flight requests)
+    held_tokens: int  # their worst-case tokens
+    dispatched: tuple[tuple[str, int], ...]  # (tenant, dispatched from the queue), by tenant
+    drain_rate: float | None  # worst-case tokens released per second lately
+
+
+@dataclass(slots=True, eq=False)
+class Waiter:
+    entry: Entry
     fail_open: bool
     future: asyncio.Future[None] = field(repr=False)
 
@@ -98,24 +127,95 @@ class DispatchQueue:
         self.local_gate = MemoryGate()
         self.replicas = replicas
         self.limits = limits
-        self.max_len = max_len
-        self.aging_s = aging_s
-        self.reserve_share = reserve_share
-        self.reserve_priority = reserve_priority
+        self.reserve = Reserve(reserve_share, reserve_priority)
         self.slot_ttl_s = slot_ttl_s
         self.clock = clock
-        self.waiting: dict[tuple[str, int], collections.deque[Waiter]] = {}
-        self.size = 0
-        self.per_tenant: dict[str, int] = {}
-        self.vtime: dict[str, float] = {}
-        self.dispatched: dict[str, int] = {}
-        self.held: dict[str, CapacityGate] = {}  # slots this replica holds, and where
-        self._held_tokens: dict[str, int] = {}  # … and the worst-case tokens of each
-        self._drained: collections.deque[tuple[float, int]] = collections.deque()
+        self.policy = FairQueue(max_len=max_len, aging_s=aging_s, clock=clock)
+        self._waiters: dict[Entry, Waiter] = {}
+        self._gates: dict[str, CapacityGate] = {}  # slots this replica holds, and where
         self._wake = asyncio.Event()
         self._pump: asyncio.Task[None] | None = None
         self._releasing: set[asyncio.Task[None]] = set()
-        self._first_slot: float | None = None
+
+    # ---- read by others (prefer snapshot()) -----------------------------------------------
+    @property
+    def reserve_share(self) -> float:
+        return self.reserve.share
+
+    @property
+    def reserve_priority(self) -> int:
+        return self.reserve.priority
+
+    @property
+    def size(self) -> int:
+        return self.policy.size
+
+    @property
+    def waiting(self) -> Mapping[tuple[str, int], Sequence[Entry]]:
+        return self.policy.waiting
+
+    @property
+    def dispatched(self) -> Mapping[str, int]:
+        return self.policy.dispatched
+
+    @property
+    def held(self) -> Mapping[str, CapacityGate]:
+        """The slots this replica holds, and on which gate."""
+        return types.MappingProxyType(self._gates)
+
+    @property
+    def held_tokens(self) -> int:
+        """Worst-case tokens of the requests this replica has in flight upstream."""
+        return self.policy.held_tokens
+
+    def snapshot(self) -> QueueSnapshot:
+        p = self.policy
+        return QueueSnapshot(self.upstream, p.size, p.waiting_tokens, len(self._gates),
+                             p.held_tokens, tuple(sorted(p.dispatched.items())),
+                             p.drain_rate())
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the waiters or slots disagree with the policy's."""
+        self.policy.check_invariants()
+        waiting = {id(e) for q in self.policy.waiting.values() for e in q}
+        if waiting != {id(e) for e in self._waiters}:
+            raise AssertionError("waiters and the policy's entries disagree")
+        if set(self._gates) != set(self.policy.slots):
+            raise AssertionError("slots held at a gate and the policy's slots disagree")
+
+    # ---- stages ---------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def early(self, req: SlotRequest) -> AsyncIterator[EarlyAttempt | None]:
+        """With nobody waiting, ask the gate for a slot now, while the caller reserves; on
+        exit a slot it got (or gets) is given back unless ``slot()`` took it."""
+        task = self.try_early(req.request_id, req.tokens, req.fail_open, req.priority)
+        attempt = None if task is None else EarlyAttempt(req.request_id, task)
+        try:
+            yield attempt
+        finally:
+            if attempt is not None and not attempt.consumed:
+                self.drop_early(req.request_id, attempt.task)
+
+    @contextlib.asynccontextmanager
+    async def slot(self, req: SlotRequest,
+                   early: EarlyAttempt | None = None) -> AsyncIterator[Slot]:
+        """Take the early attempt's slot or wait for one (503/429/504 GatewayErrors); on
+        exit, however the block ends, release it with the request's worst-case tokens."""
+        if early is not None and early.request_id != req.request_id:
+            raise ValueError(f"the early attempt of {early.request_id!r} is not "
+                             f"{req.request_id!r}'s")
+        if early is not None and not early.consumed and await self.took_early(early.task):
+            early.consumed = True
+            held = Slot(req.request_id, req.tokens, 0.0, True, self.release)
+        else:
+            waited = await self.acquire(req.request_id, req.tenant, req.weight, req.priority,
+                                        req.tokens, req.deadline, req.max_queued,
+                                        fail_open=req.fail_open)
+            held = Slot(req.request_id, req.tokens, waited, False, self.release)
+        try:
+            yield held
+        finally:
+            held.release()
 
     # ---- public ---------------------------------------------------------------------------
     async def acquire(self, request_id: str, tenant: str, weight: float, priority: int,
@@ -125,21 +225,13 @@ class DispatchQueue:
         start = self.clock()
         if self.size == 0 and await self._try(request_id, tokens, fail_open, priority):
             return 0.0
-        wait = self.predicted_wait(priority, tokens)
-        retry = DEFAULT_RETRY_S if wait is None else max(wait, 0.001)
-        if self.size >= self.max_len:
-            raise QueueFull(f"the model {self.upstream!r} is overloaded ({self.size} requests "
-                            f"waiting)", retry_after_s=retry)
-        if max_queued is not None and self.per_tenant.get(tenant, 0) >= max_queued:
-            raise TenantQueueFull(f"you have {max_queued} requests waiting already (your "
-                                  f"max_queued)", "max_queued", retry_after_s=retry)
-        if deadline is not None and wait is not None and start + wait > deadline:
-            raise QueueFull(f"the predicted wait ({wait:.3f} s) is longer than the request's "
-                            f"deadline allows", "deadline_ms", code="deadline_unreachable",
-                            retry_after_s=retry)
-        w = Waiter(request_id, tenant, weight, priority, tokens, start, fail_open,
-                   asyncio.get_running_loop().create_future())
-        self._push(w)
+        shed = self.policy.shed(tenant, priority, tokens, max_queued, deadline, start)
+        if shed is not None:
+            raise self._refusal(shed, max_queued)
+        entry = self.policy.push(request_id, tenant, weight, priority, tokens, start)
+        w = Waiter(entry, fail_open, asyncio.get_running_loop().create_future())
+        self._waiters[entry] = w
+        self._start_pump()
         try:
             if deadline is None:
                 await w.future
@@ -190,39 +282,22 @@ class DispatchQueue:
     def release(self, request_id: str, tokens: int) -> None:
         """Give a slot back (idempotent), in a task the queue owns: a cancelled request
         cannot cancel its own release."""
-        if request_id not in self.held:
+        if request_id not in self._gates:
             return
-        task = asyncio.ensure_future(self._give_back(request_id, tokens))
-        self._releasing.add(task)
-        task.add_done_callback(self._releasing.discard)
-
-    @property
-    def held_tokens(self) -> int:
-        """Worst-case tokens of the requests this replica has in flight upstream."""
-        return sum(self._held_tokens.values())
+        self._own(self._give_back(request_id, tokens))
 
     def predicted_wait(self, priority: int, tokens: int) -> float | None:
-        rate = self.drain_rate()
-        if rate is None:
-            return None
-        now = self.clock()
-        ahead = sum(w.tokens for q in self.waiting.values() for w in q
-                    if self._class(w, now) <= priority)
-        return (ahead + tokens) / rate
+        return self.policy.predicted_wait(priority, tokens)
 
     def drain_rate(self) -> float | None:
-        now = self.clock()
-        while self._drained and self._drained[0][0] < now - DRAIN_WINDOW_S:
-            self._drained.popleft()
-        if not self._drained or self._first_slot is None:
-            return None
-        # released over the window, or over the time since slots were first handed out
-        span = max(min(now - self._first_slot, DRAIN_WINDOW_S), 1.0)
-        released = sum(t for _, t in self._drained)
-        return released / span if released > 0 else None  # slots given back unused: no rate
+        return self.policy.drain_rate()
+
+    def urgent(self, priority: int) -> bool:
+        """Whether a request of this priority may use the reserve."""
+        return self.reserve.urgent(priority)
 
     async def renew_all(self) -> None:
-        for rid, gate in list(self.held.items()):
+        for rid, gate in list(self._gates.items()):
             if gate is UNGATED:
                 continue
             with contextlib.suppress(StoreUnavailable):
@@ -235,21 +310,29 @@ class DispatchQueue:
             await asyncio.wait(self._releasing, timeout=5.0)
 
     # ---- internals ------------------------------------------------------------------------
-    def urgent(self, priority: int) -> bool:
-        """Whether a request of this priority may use the reserve."""
-        return priority <= self.reserve_priority
+    def _refusal(self, shed: Shed, max_queued: int | None) -> GatewayError:
+        retry = shed.retry_after_s
+        if shed.reason is ShedReason.FULL:
+            return QueueFull(f"the model {self.upstream!r} is overloaded ({self.size} "
+                             f"requests waiting)", retry_after_s=retry)
+        if shed.reason is ShedReason.MAX_QUEUED:
+            return TenantQueueFull(f"you have {max_queued} requests waiting already (your "
+                                   f"max_queued)", "max_queued", retry_after_s=retry)
+        shown = shed.predicted_wait_s or 0.0
+        return QueueFull(f"the predicted wait ({shown:.3f} s) is longer than the request's "
+                         f"deadline allows", "deadline_ms",
+                         code="deadline_unreachable", retry_after_s=retry)
+
+    def _own(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
 
     async def _try(self, request_id: str, tokens: int, fail_open: bool, priority: int) -> bool:
-        cap_tokens, cap_seqs = self.limits()
-        if self.reserve_share and not self.urgent(priority):
-            cap_tokens, cap_seqs = (_less(cap_tokens, self.reserve_share),
-                                    _less(cap_seqs, self.reserve_share))
+        cap_tokens, cap_seqs = self.reserve.caps(priority, *self.limits())
         if cap_tokens is None and cap_seqs is None:
             # An upstream of unknown capacity has no gate: no store round trip to make.
-            self.held[request_id] = UNGATED
-            self._held_tokens[request_id] = tokens
-            if self._first_slot is None:
-                self._first_slot = self.clock()
+            self._grant(request_id, tokens, UNGATED)
             return True
         gate: CapacityGate = self.gate
         try:
@@ -266,18 +349,18 @@ class DispatchQueue:
                                     _share(cap_tokens, self.replicas),
                                     _share(cap_seqs, self.replicas), self.slot_ttl_s)
         if ok:
-            self.held[request_id] = gate
-            self._held_tokens[request_id] = tokens
-            if self._first_slot is None:
-                self._first_slot = self.clock()
+            self._grant(request_id, tokens, gate)
         return ok
 
+    def _grant(self, request_id: str, tokens: int, gate: CapacityGate) -> None:
+        self._gates[request_id] = gate
+        self.policy.grant(request_id, tokens)
+
     async def _give_back(self, request_id: str, tokens: int) -> None:
-        gate = self.held.pop(request_id, None)
-        self._held_tokens.pop(request_id, None)
+        gate = self._gates.pop(request_id, None)
         if gate is None:
             return
-        self._drained.append((self.clock(), tokens))
+        self.policy.release(request_id, tokens)
         if gate is UNGATED:
             self._wake.set()
             return
@@ -295,55 +378,30 @@ class DispatchQueue:
         async def undo() -> None:
             for wait in (0.0, UNDO_AGAIN_S):
                 await asyncio.sleep(wait)
-                if self.held.get(request_id) is self.gate:
+                if self._gates.get(request_id) is self.gate:
                     return  # granted since (a retry of the same id): the slot is in use
                 with contextlib.suppress(StoreUnavailable):
                     if await self.gate.release(self.upstream, request_id):
                         return
 
-        task = asyncio.ensure_future(undo())
-        self._releasing.add(task)
-        task.add_done_callback(self._releasing.discard)
+        self._own(undo())
 
-    def _class(self, w: Waiter, now: float) -> int:
-        return w.priority - math.floor((now - w.arrival) / self.aging_s)
+    def _remove(self, w: Waiter) -> None:
+        self.policy.remove(w.entry)
+        self._waiters.pop(w.entry, None)
 
-    def _push(self, w: Waiter) -> None:
-        key = (w.tenant, w.priority)
-        if w.tenant not in self.per_tenant or self.per_tenant[w.tenant] == 0:
-            # A tenant that starts waiting starts level with those waiting: no banked credit.
-            active = [self.vtime[t] for t, n in self.per_tenant.items() if n and t in self.vtime]
-            self.vtime[w.tenant] = max(self.vtime.get(w.tenant, 0.0), min(active, default=0.0))
-        self.waiting.setdefault(key, collections.deque()).append(w)
-        self.size += 1
-        self.per_tenant[w.tenant] = self.per_tenant.get(w.tenant, 0) + 1
+    def _start_pump(self) -> None:
         if self._pump is None or self._pump.done():
             self._pump = asyncio.ensure_future(self._run())
         self._wake.set()
 
-    def _remove(self, w: Waiter) -> None:
-        q = self.waiting.get((w.tenant, w.priority))
-        if q is None:
-            return
-        with contextlib.suppress(ValueError):
-            q.remove(w)
-            self.size -= 1
-            self.per_tenant[w.tenant] -= 1
-        if not q:
-            del self.waiting[(w.tenant, w.priority)]
-
     def _pick(self, urgent_only: bool = False) -> Waiter | None:
-        now = self.clock()
-        best: tuple[int, float, float] | None = None
-        chosen: Waiter | None = None
-        for q in self.waiting.values():
-            head = q[0]
-            if head.future.done() or (urgent_only and not self.urgent(head.priority)):
-                continue
-            key = (self._class(head, now), self.vtime.get(head.tenant, 0.0), head.arrival)
-            if best is None or key < best:
-                best, chosen = key, head
-        return chosen
+        def eligible(e: Entry) -> bool:
+            return not self._waiters[e].future.done() and (not urgent_only or
+                                                            self.urgent(e.priority))
+
+        entry = self.policy.pick(eligible)
+        return None if entry is None else self._waiters[entry]
 
     async def _run(self) -> None:
         """Dispatch while there is room; sleep until a release (or a poll for other
@@ -353,16 +411,17 @@ class DispatchQueue:
             if w is None:
                 await asyncio.sleep(POLL_S)
                 continue
+            e = w.entry
             try:
-                granted = await self._try(w.request_id, w.tokens, w.fail_open, w.priority)
-                if not granted and self.reserve_share and not self.urgent(w.priority):
+                granted = await self._try(e.request_id, e.tokens, w.fail_open, e.priority)
+                if not granted and self.reserve.share and not self.urgent(e.priority):
                     # the batch request at the head is held to its share; an urgent one
                     # behind it may still fit in the reserve
                     u = self._pick(urgent_only=True)
                     if u is not None:
-                        w = u
-                        granted = await self._try(w.request_id, w.tokens, w.fail_open,
-                                                  w.priority)
+                        w, e = u, u.entry
+                        granted = await self._try(e.request_id, e.tokens, w.fail_open,
+                                                  e.priority)
             except GatewayError as err:
                 if not w.future.done():
                     w.future.set_exception(err)
@@ -370,11 +429,10 @@ class DispatchQueue:
                 self._remove(w)
                 continue
             if granted:
-                self._remove(w)
-                self.vtime[w.tenant] = self.vtime.get(w.tenant, 0.0) + 1.0 / w.weight
-                self.dispatched[w.tenant] = self.dispatched.get(w.tenant, 0) + 1
+                self.policy.dispatch(e)
+                self._waiters.pop(e, None)
                 if w.future.done():  # it left meanwhile
-                    self.release(w.request_id, 0)
+                    self.release(e.request_id, 0)
                 else:
                     w.future.set_result(None)
                 continue
@@ -382,11 +440,6 @@ class DispatchQueue:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(POLL_S):
                     await self._wake.wait()
-
-
-def _less(cap: int | None, reserve_share: float) -> int | None:
-    """What is left of a capacity for batch work once the reserve is set aside."""
-    return None if cap is None else max(1, math.floor(cap * (1 - reserve_share)))
 
 
 def _share(cap: int | None, replicas: int) -> int | None:

@@ -18,10 +18,11 @@ import json
 import re
 from typing import Any
 
+from protocol.sse import DONE, dumps, event_data
+
 from .errors import BadGateway
 
-DONE = b"data: [DONE]\n\n"
-dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+__all__ = ["ChunkRewriter"]
 # A usage object: numbers and at most one level of nested objects (…_tokens_details).
 _USAGE_OBJECT = re.compile(rb"\{(?:[^{}]|\{[^{}]*\})*\}")
 # a non-empty "content" (chat delta) or "text" (completion): a chunk that carries tokens
@@ -90,10 +91,18 @@ class ChunkRewriter:
         return raw if isinstance(raw, dict) else None
 
     def rewrite(self, event: bytes) -> bytes | None:
-        if not event.startswith(b"data:"):
-            # comments (": keep-alive") and other fields pass as they are
-            return event + b"\n\n" if event.strip() else None
-        data = event[6:] if event.startswith(b"data: ") else event[5:].strip()
+        """One event (lines joined by LF, as ``protocol.sse.EventSplitter`` gives them) for
+        the client, or None to drop it."""
+        if event.startswith(b"data: ") and 10 not in event:  # one data line (10: LF, memchr)
+            data = event[6:]
+        else:
+            found = event_data(event)
+            if found is None:
+                # comments (": keep-alive") and other fields pass as they are
+                return event + b"\n\n" if event.strip() else None
+            data = found.strip()
+            if 10 in data:  # several data lines (LF): only the json path writes them as one
+                return self._rewrite_json(data)
         if data == b"[DONE]":
             self.done = True
             return DONE

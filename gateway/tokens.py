@@ -25,6 +25,8 @@ from typing import Any, Protocol
 
 import httpx
 
+from modelfiles.errors import ModelFileError
+
 from .errors import BadGateway, BadRequest, ServiceUnavailable
 
 BYTE_BOUND_OVERHEAD = 16
@@ -110,18 +112,16 @@ class LocalCounter:
     exact = True
 
     def __init__(self, model_dir: str | Path) -> None:
-        from backend.engine.errors import EngineError
-        from backend.engine.tokenizer import Tokenizer
+        from modelfiles.tokenizer import Tokenizer
 
         if str(model_dir) == "tiny":
-            from backend.engine.tiny_model import ensure_tiny_model
+            from modelfiles.tiny_model import ensure_tiny_model
 
             model_dir = ensure_tiny_model()
         try:
             self.tokenizer = Tokenizer.from_dir(model_dir)
-        except (EngineError, OSError) as exc:
+        except (ModelFileError, OSError) as exc:
             raise ValueError(f"cannot load the tokenizer from {model_dir}: {exc}") from exc
-        self._engine_error = EngineError
         self.name = f"local:{model_dir}"
         self.tokenizer_sha256 = self.tokenizer.sha256
         self.template_sha256 = self.tokenizer.chat_template_sha256
@@ -140,7 +140,7 @@ class LocalCounter:
             if not isinstance(payload, str):
                 raise BadRequest("prompt must be a string or a list of token ids", "prompt")
             return len(tok.encode(payload))
-        except self._engine_error as exc:
+        except ModelFileError as exc:
             raise BadRequest(f"cannot render the prompt: {exc}",
                              "messages" if kind == "chat" else "prompt") from None
 

@@ -15,10 +15,10 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, StatusCode
 
+from protocol.versions import ResolvedVersions
 from telemetry import extract, new_span_id, record_phase
 
 from .errors import GatewayError
-from .stamp import Stamp
 
 _CLIENT, _INTERNAL = SpanKind.CLIENT, SpanKind.INTERNAL  # (enum lookups run Python code)
 
@@ -46,7 +46,7 @@ class NoTrace:
     def set(self, **attributes: Any) -> None:
         pass
 
-    def stamp(self, stamp: Stamp) -> None:
+    def stamp(self, stamp: ResolvedVersions) -> None:
         pass
 
     def first_token(self, ttft_s: float) -> None:
@@ -127,7 +127,7 @@ class RequestTrace(NoTrace):
             if v is not None:
                 attrs[_NAMES.get(k, k)] = v
 
-    def stamp(self, stamp: Stamp) -> None:
+    def stamp(self, stamp: ResolvedVersions) -> None:
         self.attrs.update(_stamp_attributes(stamp))
 
     def first_token(self, ttft_s: float) -> None:
@@ -182,10 +182,10 @@ _NAMES = {
 }
 
 
-_STAMPS: dict[tuple[str, int, str], tuple[Any, dict[str, Any]]] = {}
+_STAMPS: dict[tuple[str, int, str | None], tuple[Any, dict[str, Any]]] = {}
 
 
-def _stamp_attributes(stamp: Stamp) -> dict[str, Any]:
+def _stamp_attributes(stamp: ResolvedVersions) -> dict[str, Any]:
     """The versions that produced an answer (the same for every request of a version).
     Cached by model, policy and the identity of the versions object (one per upstream
     refresh): hashing the dataclasses would run Python code over their fields."""

@@ -16,15 +16,16 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from policies.breaker import BreakerPolicy
+from policies.breaker import BreakerPolicy, State
+from protocol.versions import RESOLVED_HEADER, ServedVersions
 
 from .config import GatewayConfig, ModelEntry, StaticVersions
 from .errors import BadGateway, GatewayError, GatewayTimeout, ServiceUnavailable
-from .failover import Fault
 from .http_client import (
     ConnectFailed,
     FirstByteTimeout,
@@ -35,17 +36,44 @@ from .http_client import (
     UpstreamHTTPError,
 )
 from .pool import Member, Router, build_members
-from .stamp import UpstreamVersions
 from .tokens import ByteCounter, LocalCounter, TokenCounter, UpstreamCounter
 
 log = logging.getLogger("sluice.gateway.upstream")
 
 PROBE_TIMEOUT_S = 2.0
-RESOLVED_HEADER = "x-sluice-resolved"
 
 
 class UpstreamError(Exception):
     """The upstream could not be asked (unreachable) or answered nonsense."""
+
+
+class Fault(Exception):
+    """An attempt failed because of the server; ``err`` is what the client would get.
+    ``gateway.failover`` retries a ``Fault`` on another server when it may."""
+
+    def __init__(self, reason: str, err: GatewayError,
+                 retry_after_s: float | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.err = err
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(slots=True, frozen=True)
+class MemberSnapshot:
+    url: str
+    breaker_state: State
+    transitions: tuple[tuple[State, int], ...]  # (state moved to, count), sorted
+    connections: int  # lent to requests now
+
+
+@dataclass(slots=True, frozen=True)
+class UpstreamSnapshot:
+    """What the metrics read of an upstream."""
+
+    name: str
+    ready: bool
+    members: tuple[MemberSnapshot, ...]
 
 
 class Upstream:
@@ -82,9 +110,9 @@ class Upstream:
         self.router = Router(entry, self.members)
         self.pool = pools[0]
         static = entry.versions or StaticVersions()
-        self.versions: UpstreamVersions | None = None
+        self.versions: ServedVersions | None = None
         if entry.kind == "openai":
-            self.versions = UpstreamVersions(static.revision, static.tokenizer,
+            self.versions = ServedVersions(static.revision, static.tokenizer,
                                              static.chat_template, static.engine)
         self.reported_header: str | None = None  # the backend's own x-sluice-resolved
         self.kv_tokens: int | None = entry.capacity.kv_tokens
@@ -118,6 +146,11 @@ class Upstream:
     def ready(self) -> bool:
         return self.versions is not None
 
+    def snapshot(self) -> UpstreamSnapshot:
+        return UpstreamSnapshot(self.name, self.ready, tuple(
+            MemberSnapshot(m.url, m.breaker.state, tuple(sorted(m.breaker.transitions.items())),
+                           m.pool.active) for m in self.members))
+
     async def refresh(self) -> None:
         """Re-read what the pool serves; raises UpstreamError when no server answers."""
         results = await asyncio.gather(*(self._read(m) for m in self.members),
@@ -139,7 +172,7 @@ class Upstream:
                 self.last_error = "no server of the pool reports its versions"
                 raise UpstreamError(f"model {self.name}: {self.last_error}")
             entry, reported = ours[0]
-            new = UpstreamVersions.from_report(entry["resolved"])
+            new = ServedVersions.from_report(entry["resolved"])
             if self.versions is not None and new != self.versions:
                 log.info("model %s: upstream versions changed from %s to %s", self.name,
                          self.versions, new)

@@ -25,8 +25,16 @@ class Settlement:
     model: str
     prompt_tokens: int
     completion_tokens: int
-    outcome: str  # ok | cancelled | upstream_error | timeout
+    outcome: str  # an ``outcome.Outcome`` value
     exact: bool  # counts reported by the upstream, not estimated
+
+
+@dataclass(slots=True, frozen=True)
+class LedgerSnapshot:
+    """What the metrics read of the ledger."""
+
+    settled: tuple[tuple[str, str, str, int], ...]  # (tenant, model, outcome, count), sorted
+    tokens: tuple[tuple[str, int, int], ...]  # (tenant, prompt, completion tokens), sorted
 
 
 @dataclass(slots=True)
@@ -41,6 +49,12 @@ class UsageLedger:
         self._settled: OrderedDict[str, None] = OrderedDict()
         self.by_tenant: dict[str, TenantUsage] = {}
         self.by_key: dict[tuple[str, str, str], int] = {}  # (tenant, model, outcome) -> count
+
+    def snapshot(self) -> LedgerSnapshot:
+        return LedgerSnapshot(
+            settled=tuple((t, m, o, n) for (t, m, o), n in sorted(self.by_key.items())),
+            tokens=tuple((t, u.prompt_tokens, u.completion_tokens)
+                         for t, u in sorted(self.by_tenant.items())))
 
     def settle(self, s: Settlement) -> bool:
         """Record ``s``; a second settlement of the same request id is ignored."""

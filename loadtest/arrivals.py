@@ -54,7 +54,8 @@ def _renewal(rng: np.random.Generator, duration: float,
 
 def _thinned(rng: np.random.Generator, duration: float, rate: Callable[[float], float],
              peak: float) -> list[float]:
-    out, t = [], 0.0
+    out: list[float] = []
+    t = 0.0
     if peak <= 0:
         return out
     while True:

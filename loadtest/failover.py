@@ -141,7 +141,7 @@ async def _capacity(url: str, seconds: float = 5.0, concurrency: int = 16) -> fl
                 await _one(client, url, done)
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return sum(r["ok"] for r in done) / seconds
+    return float(sum(r["ok"] for r in done)) / seconds
 
 
 async def _failover(stack: Stack, rate: float, duration: float,
@@ -182,7 +182,7 @@ async def _failover(stack: Stack, rate: float, duration: float,
 def _recovery(res: dict[str, Any], survivor_rps: float) -> float | None:
     """Seconds from the kill to the first 1 s window with goodput ≥ 90 % of survivor_rps."""
     ends = sorted(r["end"] for r in res["out"] if r["ok"])
-    k = res["killed_at"]
+    k = float(res["killed_at"])
     step = 0.1
     t = k
     while ends and t + 1.0 <= ends[-1]:
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-routing", action="store_true")
     p.add_argument("--skip-failover", action="store_true")
     args = p.parse_args(argv)
-    from backend.engine.tiny_model import ensure_tiny_model
+    from modelfiles.tiny_model import ensure_tiny_model
 
     ensure_tiny_model()
     with tempfile.TemporaryDirectory(prefix="sluice-failover-") as d:

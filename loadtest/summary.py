@@ -36,9 +36,10 @@ def _attain(ms: list[Measured]) -> float | None:
 
 
 def _group(ms: list[Measured], window_s: float) -> dict[str, Any]:
-    out = {"count": len(ms),
-           "goodput_rps": _rate(sum(m.outcome == "success" for m in ms), window_s),
-           "slo_attainment": _attain(ms)}
+    out: dict[str, Any] = {
+        "count": len(ms),
+        "goodput_rps": _rate(sum(m.outcome == "success" for m in ms), window_s),
+        "slo_attainment": _attain(ms)}
     out.update(latency_block(ms))
     return out
 

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -337,7 +338,7 @@ PROBE_COMMANDS = frozenset({"info", "scan", "type", "ping", "client|setname",
                             "client|setinfo", "hello"})  # what RedisProbe itself sends
 
 
-def command_stats(info: dict[str, Any]) -> CommandStats:
+def command_stats(info: Mapping[str, Any]) -> CommandStats:
     """redis-py's parsed `INFO commandstats` as {command: (calls, usec)}."""
     out: CommandStats = {}
     for key, value in info.items():

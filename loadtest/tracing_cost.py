@@ -2,7 +2,7 @@
 
     python -m loadtest.tracing_cost [--quick] [--json FILE]
 
-Starts `sluice fake-upstream`, an OTLP/HTTP receiver (``python -m loadtest.otlp_sink
+Starts `sluice fake-upstream`, an OTLP/HTTP receiver (``python -m telemetry.bench.otlp_sink
 --no-decode``, its own process: in the load client's process its reads would stall the
 client's clock), and two `sluice gateway` processes with the same config
 in front of the same upstream: one with tracing off, one tracing every request
@@ -152,7 +152,7 @@ def span_counts(port: int) -> dict[str, float]:
 
 def start_sink(workdir: Path) -> procs.Service:
     port = procs.free_port()
-    sink = procs._spawn("otlp-sink", [sys.executable, "-m", "loadtest.otlp_sink",
+    sink = procs._spawn("otlp-sink", [sys.executable, "-m", "telemetry.bench.otlp_sink",
                                       "--no-decode", "--port", str(port)], port, workdir)
     try:  # any path answers; a 404 on GET / means it is listening
         procs.wait_ready(sink, "/", 30, ok=(404,))

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from policies.store import ttl_us
+from policies.store import StoreError, ttl_us
 
 US = 1_000_000
 
@@ -170,5 +170,6 @@ class RedisGate:
 
     async def in_flight(self, upstream: str) -> tuple[int, int]:
         out = await self._call(self._in_flight, upstream, [])
-        n, total = out  # type: ignore[misc]
-        return int(n), int(total)
+        if not isinstance(out, list) or len(out) != 2:
+            raise StoreError(f"in_flight answered {out!r}")
+        return int(out[0]), int(out[1])

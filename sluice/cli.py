@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def _tiny_model(args: argparse.Namespace) -> int:
-    from backend.engine.tiny_model import SIZES, write_tiny_model
+    from modelfiles.tiny_model import SIZES, write_tiny_model
 
     out = write_tiny_model(Path(args.out), SIZES[args.size])
     print(f"wrote the {args.size} model to {out}")

@@ -1,8 +1,8 @@
 """KV-cache capacity planning: the arithmetic behind `sluice plan`.
 
 The figures are the ones the capacity lesson teaches, computed from the model's own
-``config.json`` (parsed by the engine's `ModelConfig`, so the planner and the engine agree
-on layers, KV heads and head dimension):
+``config.json`` (parsed by `modelfiles`' `ModelConfig`, the engine's own, so the planner and
+the engine agree on layers, KV heads and head dimension):
 
 - weights: parameters (counted from the Llama-family shapes) × bytes per weight;
 - KV per token: ``2 · L · H_kv · d_head · b`` (K and V, every layer); per sequence: × T.
@@ -27,7 +27,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from backend.engine.model_config import ModelConfig
+from modelfiles.model_config import ModelConfig
 
 GIB = 1 << 30
 

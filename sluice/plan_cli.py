@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from backend.engine.model_config import ModelConfig
+from modelfiles.model_config import ModelConfig
 
 from .plan import (
     GIB,
@@ -32,7 +32,7 @@ from .plan import (
 
 def load_model_config(path: str) -> ModelConfig:
     """A model directory holding config.json, or the config.json file itself."""
-    from backend.engine.errors import ModelLoadError
+    from modelfiles.errors import ModelLoadError
 
     p = Path(path)
     try:

@@ -182,9 +182,11 @@ class Encoder:
         """A span tree (``to_record``) as ``ScopeSpans.spans`` fields (the C encoder when
         built; the pure-Python one for shapes it does not take, such as attributes in a
         Mapping that is not a dict)."""
-        if self.native:
+        native = _native
+        if self.native and native is not None:
             try:
-                return _native.record(r, any_value)  # type: ignore[union-attr,no-any-return]
+                encoded: bytes = native.record(r, any_value)
+                return encoded
             except TypeError:
                 pass
         return self.record_py(r)

@@ -16,7 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def tiny_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A cache directory holding the tiny default model, built once per test session."""
-    from backend.engine.tiny_model import ensure_tiny_model
+    from modelfiles.tiny_model import ensure_tiny_model
 
     cache = tmp_path_factory.mktemp("sluice-cache")
     ensure_tiny_model(cache)
@@ -25,6 +25,6 @@ def tiny_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tiny_cache_dir: Path) -> Path:
-    from backend.engine.tiny_model import ensure_tiny_model
+    from modelfiles.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model(tiny_cache_dir)

@@ -33,31 +33,32 @@ def test_backend_refuses_a_bad_thread_count(capsys) -> None:
 
 
 def test_backend_leaves_a_core_to_its_event_loop(monkeypatch, capsys) -> None:
-    from backend.engine.async_engine import AsyncEngine
-    from backend.engine.core_process import EngineClient
     from backend.engine.errors import EngineError
+    from backend.engine.process_transport import ProcessTransport
+    from backend.engine.thread_transport import ThreadTransport
+    from backend.faults import StepDelay
 
     seen = []
 
     def capture(kind):
-        def from_config(config):
-            seen.append((kind, config.reserve_cores, config.num_threads,
-                         config.fault_step_delay_s))
+        def from_config(config, *, step_hook=None):
+            seen.append((kind, config.reserve_cores, config.num_threads, step_hook))
             raise EngineError("stop here")
         return staticmethod(from_config)
 
-    monkeypatch.setattr(AsyncEngine, "from_config", capture("thread"))
-    monkeypatch.setattr(EngineClient, "from_config", capture("process"))
+    monkeypatch.setattr(ThreadTransport, "from_config", capture("thread"))
+    monkeypatch.setattr(ProcessTransport, "from_config", capture("process"))
     assert main(["backend", "--model", "tiny"]) == 2
     assert main(["backend", "--model", "tiny", "--threads", "2", "--engine-in-process",
                  "--fault-step-delay", "2.5"]) == 2
-    assert seen == [("process", 1, None, 0.0), ("thread", 1, 2, 0.0025)]
+    # the fault is a step hook the composition root builds, never an engine setting
+    assert seen == [("process", 1, None, None), ("thread", 1, 2, StepDelay(0.0025))]
     assert "stop here" in capsys.readouterr().err
 
 
 def test_backend_refuses_a_bad_fault_step_delay(capsys) -> None:
     assert main(["backend", "--model", "tiny", "--fault-step-delay", "-1"]) == 2
-    assert "fault_step_delay_s must be in [0, 60]" in capsys.readouterr().err
+    assert "--fault-step-delay must be in [0, 60000] ms" in capsys.readouterr().err
 
 
 def test_up_applies_sluice_overrides_and_refuses_a_bad_one(monkeypatch) -> None:
@@ -86,7 +87,7 @@ def test_tiny_model_small_size_has_the_small_shapes_and_the_same_tokenizer(
 
     from safetensors.numpy import load_file
 
-    from backend.engine.tiny_model import SIZES
+    from modelfiles.tiny_model import SIZES
 
     out = tmp_path / "small"
     assert main(["tiny-model", "--size", "small", "--out", str(out)]) == 0

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from backend.engine.tiny_model import ensure_tiny_model
+from modelfiles.tiny_model import ensure_tiny_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 

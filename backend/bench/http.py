@@ -102,16 +102,18 @@ class LoopSide:
 
 
 class ApiSide:
-    """The workload through the engine's Python API, no HTTP: an ``EngineClient`` (the
-    engine in a process of its own, set up as ``sluice backend`` sets it up) driven by
-    asyncio tasks in this process."""
+    """The workload through the engine's Python API, no HTTP: an ``AsyncEngine`` over a
+    ``ProcessTransport`` (the engine in a process of its own, set up as ``sluice backend``
+    sets it up) driven by asyncio tasks in this process."""
 
     async def __aenter__(self) -> Self:
+        from backend.engine.async_engine import AsyncEngine
         from backend.engine.config import EngineConfig
-        from backend.engine.core_process import EngineClient
+        from backend.engine.process_transport import ProcessTransport
 
-        self.engine = await asyncio.to_thread(
-            EngineClient.from_config, EngineConfig(model="tiny", reserve_cores=1))
+        transport = await asyncio.to_thread(
+            ProcessTransport.from_config, EngineConfig(model="tiny", reserve_cores=1))
+        self.engine = AsyncEngine(transport)
         await self.engine.start()
         self._ids = iter(range(10**9))
         return self
@@ -295,8 +297,8 @@ async def run_http_bench(quick: bool) -> dict[str, float]:
     Sides:
     - ``engine_loop``: ``LLMEngine.step()`` in a bare loop in this process, the engine's
       ceiling (no asyncio, no process boundary, no HTTP);
-    - ``direct``: the engine driven directly through its Python API, an ``EngineClient``
-      set up as the server sets it up (engine process, one core left to the caller), driven
+    - ``direct``: the engine driven directly through its Python API, an ``AsyncEngine``
+      over a ``ProcessTransport`` set up as the server sets it up (engine process, one core left to the caller), driven
       by asyncio tasks: the server minus HTTP;
     - ``http``: the server as shipped, over SSE;
     - ``http_in_process``: the server with ``--engine-in-process`` (the step loop on a
@@ -339,7 +341,8 @@ async def run_http_bench(quick: bool) -> dict[str, float]:
     rates: dict[str, list[float]] = {name: [] for name in names}
     async with (ApiSide() as direct, HttpSide(concurrency) as http,
                 HttpSide(concurrency, "--engine-in-process") as in_process):
-        sides = {"direct": direct, "http": http, "http_in_process": in_process}
+        sides: dict[str, ApiSide | HttpSide] = {"direct": direct, "http": http,
+                                                "http_in_process": in_process}
         for side in sides.values():
             await _closed_loop(warmup, concurrency, side.one)
         for r in range(rounds):

@@ -32,6 +32,7 @@ import torch
 from backend.engine.decode_kernel import load_decode_kernel
 from backend.engine.fused_decode import MAX_ROWS
 from backend.engine.loader import load_model
+from backend.engine.weights import DecoderWeights, PackedMatmul
 
 from .checkpoint import FULL_MODEL, QUICK_MODEL, TEST_MODEL, ModelSpec, write_checkpoint
 
@@ -40,16 +41,21 @@ SIDES = ("c", "c_row", "onednn")
 DEFAULT_ROWS = (1, 8, 16, 32, 48, MAX_ROWS)
 
 
-def _matmuls(model: Any) -> list[tuple[torch.Tensor, torch.Tensor | None, Any]]:
+Matmul = tuple[torch.Tensor, torch.Tensor | None, PackedMatmul]
+
+
+def _matmuls(weights: DecoderWeights) -> list[Matmul]:
     """(weight, bias, oneDNN copy) of one decode step's matmuls, in step order."""
-    out: list[tuple[torch.Tensor, torch.Tensor | None, Any]] = []
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        out += [(attn.qkv_weight, attn.qkv_bias, attn.qkv_packed),
-                (attn.o_proj.weight, attn.o_proj.bias, attn.o_packed),
-                (mlp.gate_up_weight, None, mlp.gate_up_packed),
-                (mlp.down_proj.weight, None, mlp.down_packed)]
-    out.append((model.lm_head_weight, None, model.lm_head_packed))
+    out: list[Matmul] = []
+    for layer in weights.layers:
+        packed = layer.packed
+        if packed is None:
+            raise RuntimeError("the model's matmuls are not prepacked")
+        out += [(layer.qkv, layer.qkv_bias, packed.qkv), (layer.o, layer.o_bias, packed.o),
+                (layer.gate_up, None, packed.gate_up), (layer.down, None, packed.down)]
+    if weights.lm_head_packed is None:
+        raise RuntimeError("the model's LM head is not prepacked")
+    out.append((weights.lm_head, None, weights.lm_head_packed))
     return out
 
 
@@ -67,7 +73,7 @@ def run(spec: ModelSpec, dtype: torch.dtype, rows: list[int], rounds: int,
     if fused is None:
         raise RuntimeError("the fused decode steps do not apply to this model or CPU "
                            "(they need bf16 or fp32 weights and AVX2 + FMA)")
-    mats = _matmuls(model)
+    mats = _matmuls(fused.weights)
     flops_per_row = 2 * sum(w.shape[0] * w.shape[1] for w, _, _ in mats)
     gen = torch.Generator().manual_seed(0)
     result: dict[str, Any] = {"rows": {}, "c_row_over_c": {}, "onednn_over_c": {}}

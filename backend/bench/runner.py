@@ -22,6 +22,7 @@ from . import hf_baseline, prefix, roofline
 from .checkpoint import write_checkpoint
 from .serving import serve, warm_up
 from .settings import ROOFLINE_BATCHES, BenchSettings
+from .static_batching import with_static_batching
 from .workload import RunStats, make_requests, with_arrivals
 
 log = logging.getLogger("sluice.bench")
@@ -102,7 +103,7 @@ def run_bench(settings: BenchSettings, device: str = "cpu", dtype: str = "bfloat
 
         # 2. Decode step vs roofline, on the same engine.
         ratios: dict[str, float] = {}
-        steps: dict[str, dict[str, float]] = {}
+        steps: dict[str, dict[str, Any]] = {}
         for b in ROOFLINE_BATCHES:
             rounds = roofline.decode_step_rounds(
                 parts, b, settings.roofline_ctx, settings.roofline_steps, w.token_id_range,
@@ -135,8 +136,8 @@ def run_bench(settings: BenchSettings, device: str = "cpu", dtype: str = "bfloat
         _collect()
         progress(f"prefix cache: TTFT {ttft_on * 1e3:.1f} ms on, {ttft_off * 1e3:.1f} ms off")
 
-        # 4. Static batching on the same engine.
-        parts = _engine(settings, path, device, dtype, static_batching=True)
+        # 4. Static batching on the same engine (``static_batching.py``).
+        parts = with_static_batching(_engine(settings, path, device, dtype))
         warm_up(parts, 32)
         res.runs["static"] = serve(parts, timed, "static")
         del parts

@@ -1,6 +1,6 @@
 """Serve a workload on the engine in real time: requests join at their arrival times.
 
-The driver owns the synchronous ``LLMEngine`` and does what ``AsyncEngine``'s worker
+The driver owns the synchronous ``LLMEngine`` and does what ``ThreadTransport``'s worker
 does, without the thread hop: between two steps it adds every request whose arrival time
 has passed (stamped with that arrival time, so a request that lands during a step waits
 for it, as it would in the server), then runs one step. When nothing is running it sleeps

@@ -1,95 +1,96 @@
-"""asyncio front of the engine: the model step runs on a worker thread, never on the loop.
+"""asyncio front of the engine: one stream of outputs per request, over a ``CoreTransport``.
 
-Requests and aborts are queued to the worker and applied between two steps, so an abort
-frees the request's blocks before the next forward pass. Each request's output reaches
-its caller through an ``asyncio.Queue`` filled with one ``call_soon_threadsafe`` per step.
+The core steps elsewhere (a worker thread, or an engine process: see ``transport.py``);
+``AsyncEngine`` validates a request against the core's limits, hands it to the transport
+and gives the caller a ``RequestStream``. The transport delivers each step's outputs on
+the event loop, where they go into the streams' queues. Leaving a stream early (break,
+exception, task cancellation) aborts the request in the core, which frees its blocks
+before its next step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Self
 
-from .engine import LLMEngine
 from .errors import EngineDeadError, InvalidRequestError
+from .limits import RequestLimits
 from .outputs import EngineState, OutputDelta
 from .sampling import SamplingParams
+from .transport import AddRequest, CoreEvents, CoreTransport, EngineInfo, Refusal
 
 if TYPE_CHECKING:
-    from .builder import EngineParts
+    from .config import EngineConfig
+    from .engine import StepHook
 
 log = logging.getLogger("sluice.engine")
 
 
-@dataclass(slots=True)
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int
-    cache_salt: str | None
-    arrival_time: float
-
-
-@dataclass(slots=True)
-class _Abort:
-    request_id: str
-
-
 class AsyncEngine:
-    """Drive an ``LLMEngine`` from asyncio.
+    """The request streams over one engine core.
 
-    ``generate`` yields ``OutputDelta`` objects; leaving the iteration early (break,
-    exception, task cancellation) aborts the request in the engine.
+    ``generate`` returns a ``RequestStream`` of ``OutputDelta`` objects. Engine death (the
+    step loop raised, the engine process exited) fails every open stream with
+    ``EngineDeadError``, and every later ``generate`` raises it.
     """
 
-    def __init__(self, core: LLMEngine, parts: EngineParts | None = None) -> None:
-        self.core = core
-        self.parts = parts
-        self._cv = threading.Condition()
-        self._ops: list[_Add | _Abort] = []
-        self._stopping = False
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+    def __init__(self, transport: CoreTransport) -> None:
+        self.transport = transport
         self._streams: dict[str, asyncio.Queue[OutputDelta | BaseException]] = {}
-        self._dead: BaseException | None = None
-        self._snapshot: EngineState = core.state()
+        self._dead: EngineDeadError | None = None
+        self._stopping = False
         # Called on the event loop with every final delta, also of requests whose stream
         # was closed (a client that left): the server's telemetry ends them there.
         self.on_final: Callable[[OutputDelta], None] | None = None
-        # Called once on the event loop when the engine dies (its step loop raised, or its
-        # process exited), after every open stream has been failed: `serve` exits then.
+        # Called once on the event loop when the engine dies while serving (its step loop
+        # raised, or its process exited), after every open stream has been failed: `serve`
+        # exits then.
         self.on_dead: Callable[[], None] | None = None
 
     @classmethod
-    def from_config(cls, config: Any) -> AsyncEngine:
-        """Load the model, tokenizer and KV cache that ``config`` (EngineConfig) names."""
-        from .builder import build_engine
+    def from_config(cls, config: EngineConfig, *,
+                    step_hook: StepHook | None = None) -> AsyncEngine:
+        """Load the model, tokenizer and KV cache that ``config`` names, to step on a
+        thread of this process."""
+        from .thread_transport import ThreadTransport
 
-        parts = build_engine(config)
-        return cls(parts.core, parts)
+        return cls(ThreadTransport.from_config(config, step_hook=step_hook))
+
+    # ---- what the server reads ------------------------------------------------------------
+    @property
+    def info(self) -> EngineInfo | None:
+        return self.transport.info
+
+    @property
+    def limits(self) -> RequestLimits:
+        return self.transport.limits
+
+    def clock(self) -> float:
+        """Now, on the clock of the engine's timestamps (arrival, token and finish times)."""
+        return self.transport.clock()
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ``InvalidRequestError`` for a request this engine can never serve."""
+        self.transport.limits.validate(prompt_token_ids, params)
+
+    def state(self) -> EngineState:
+        """The snapshot taken after the latest step."""
+        return self.transport.state()
+
+    @property
+    def is_running(self) -> bool:
+        return self.transport.alive and self._dead is None
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
-        self._thread.start()
+        await self.transport.start(CoreEvents(self._deliver, self._stopped))
 
     async def shutdown(self) -> None:
-        """Abort everything still running and stop the worker."""
-        if self._thread is None:
-            return
-        with self._cv:
-            self._stopping = True
-            self._cv.notify()
-        await asyncio.to_thread(self._thread.join)
-        self._thread = None
+        """Abort everything still running and stop the core."""
+        self._stopping = True
+        await self.transport.shutdown()
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -97,10 +98,6 @@ class AsyncEngine:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.shutdown()
-
-    @property
-    def is_running(self) -> bool:
-        return self._thread is not None and self._dead is None
 
     # ---- requests -----------------------------------------------------------------------
     async def generate(
@@ -116,92 +113,33 @@ class AsyncEngine:
         before anything is queued."""
         if self._dead is not None:
             raise EngineDeadError("engine step loop has failed") from self._dead
-        if not self._accepting():
+        if not self.transport.accepting:
             raise EngineDeadError("engine is not started")
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already running",
                                       "request_id")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequestError("priority must be an integer", "priority")
-        self.core.validate(prompt_token_ids, params)  # reads only immutable settings
+        self.validate(prompt_token_ids, params)
         queue: asyncio.Queue[OutputDelta | BaseException] = asyncio.Queue()
         self._streams[request_id] = queue
-        self._submit(_Add(request_id, list(prompt_token_ids), params, priority, cache_salt,
-                          self.core.clock()))
+        try:
+            self.transport.add(AddRequest(request_id, list(prompt_token_ids), params, priority,
+                                          cache_salt, self.clock()))
+        except BaseException:
+            self._release(request_id)
+            raise
         return RequestStream(self, request_id, queue)
 
-    def _accepting(self) -> bool:
-        return self._thread is not None and self._loop is not None
+    def abort(self, request_id: str) -> None:
+        """Ask the core to abort a request (any thread; unknown ids are a no-op)."""
+        self.transport.abort(request_id)
 
     def _release(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
-    def abort(self, request_id: str) -> None:
-        """Ask the worker to abort a request (thread-safe; unknown ids are a no-op)."""
-        self.core.mark_abort(request_id)
-        self._submit(_Abort(request_id))
-
-    def state(self) -> EngineState:
-        """The snapshot taken after the latest step or queued operation."""
-        return self._snapshot
-
-    def _submit(self, op: _Add | _Abort) -> None:
-        with self._cv:
-            self._ops.append(op)
-            self._cv.notify()
-
-    # ---- worker thread ------------------------------------------------------------------
-    def _run(self) -> None:
-        core = self.core
-        try:
-            while True:
-                with self._cv:
-                    while not self._ops and not self._stopping and not core.has_work():
-                        self._cv.wait()
-                    ops, self._ops = self._ops, []
-                    stopping = self._stopping
-                deltas: list[OutputDelta] = []
-                errors: list[tuple[str, BaseException]] = []
-                for op in ops:
-                    self._apply(op, deltas, errors)
-                if stopping:
-                    deltas.extend(core.abort_all())
-                    self._snapshot = core.state()
-                    self._publish(deltas, errors)
-                    return
-                if core.has_work():
-                    deltas.extend(core.step())
-                self._snapshot = core.state()
-                self._publish(deltas, errors)
-        except BaseException as exc:  # the loop is dead: fail every waiting stream
-            log.exception("engine step loop failed")
-            self._dead = exc
-            self._fail_all(exc)
-
-    def _apply(self, op: _Add | _Abort, deltas: list[OutputDelta],
-               errors: list[tuple[str, BaseException]]) -> None:
-        if isinstance(op, _Abort):
-            delta = self.core.abort(op.request_id)
-            if delta is not None:
-                deltas.append(delta)
-            return
-        try:
-            self.core.add_request(op.request_id, op.prompt_token_ids, op.params,
-                                  priority=op.priority, cache_salt=op.cache_salt,
-                                  arrival_time=op.arrival_time)
-        except InvalidRequestError as exc:
-            errors.append((op.request_id, exc))
-
-    def _publish(self, deltas: list[OutputDelta],
-                 errors: list[tuple[str, BaseException]]) -> None:
-        if (deltas or errors) and self._loop is not None and not self._loop.is_closed():
-            try:
-                self._loop.call_soon_threadsafe(self._dispatch, deltas, errors)
-            except RuntimeError:  # loop closed between the check and the call
-                pass
-
-    def _dispatch(self, deltas: list[OutputDelta],
-                  errors: list[tuple[str, BaseException]]) -> None:
+    # ---- from the transport, on the event loop ------------------------------------------
+    def _deliver(self, deltas: list[OutputDelta], errors: list[Refusal]) -> None:
         on_final = self.on_final
         for delta in deltas:
             queue = self._streams.get(delta.request_id)
@@ -217,28 +155,23 @@ class AsyncEngine:
             if queue is not None:
                 queue.put_nowait(exc)
 
-    def _notify_dead(self) -> None:
-        hook, self.on_dead = self.on_dead, None
-        if hook is not None:
-            try:
-                hook()
-            except Exception:
-                log.exception("on_dead hook failed")
-
-    def _fail_all(self, exc: BaseException) -> None:
-        if self._loop is None or self._loop.is_closed():
-            return
-        err = EngineDeadError(f"engine step loop failed: {exc!r}")
-
-        def fail() -> None:
-            for queue in list(self._streams.values()):
-                queue.put_nowait(err)
-            self._notify_dead()
-
-        try:
-            self._loop.call_soon_threadsafe(fail)
-        except RuntimeError:
-            pass
+    def _stopped(self, error: EngineDeadError | None) -> None:
+        if error is not None and self._dead is None:
+            self._dead = error
+            log.error("%s; failing its %d open request(s)", error, len(self._streams))
+        # Every stream still open ends now: after a shutdown each one already has its final
+        # (abort) delta and never reads this; if the core died, this is their end. A list:
+        # a stream collected on another thread may leave meanwhile.
+        err = EngineDeadError(f"engine stopped: {error or 'shut down'}")
+        for queue in list(self._streams.values()):
+            queue.put_nowait(err)
+        if error is not None and not self._stopping:
+            hook, self.on_dead = self.on_dead, None
+            if hook is not None:
+                try:
+                    hook()
+                except Exception:
+                    log.exception("on_dead hook failed")
 
 
 class RequestStream:

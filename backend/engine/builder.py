@@ -1,7 +1,14 @@
-"""Assemble an engine from an ``EngineConfig``: model, tokenizer, KV cache, versions."""
+"""Assemble an engine from an ``EngineConfig``: model, tokenizer, KV cache, versions.
+
+The engine's composition root: ``build_engine`` makes every collaborator of the
+``LLMEngine`` (model runner, block manager, scheduler, detokenizer, prefix-cache salt) and
+hands them in. What the caller injects beyond the config (the step hook, for fault
+injection) comes in as an argument, never as a setting.
+"""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -9,19 +16,24 @@ from pathlib import Path
 
 import torch
 
-from .config import EngineConfig
+from modelfiles.model_config import ModelConfig
+from modelfiles.revision import model_revision
+from modelfiles.tokenizer import Tokenizer
+from protocol.versions import ResolvedVersions, ServedVersions
+
+from .block_manager import BlockManager
+from .config import EngineConfig, resolve_model_path
 from .decode_kernel import load_decode_kernel
 from .detokenizer import IncrementalDetokenizer
-from .engine import LLMEngine
+from .engine import LLMEngine, StepHook
 from .errors import InvalidRequestError
 from .kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_memory
-from .loader import load_model, model_revision
-from .model_config import ModelConfig
+from .loader import load_model
 from .model_runner import ModelRunner
 from .models.linear import can_prepack
-from .tiny_model import TINY_MODEL_NAME, ensure_tiny_model
-from .tokenizer import Tokenizer
-from .versions import ResolvedVersions, engine_version
+from .scheduler import Scheduler
+from .transport import EngineInfo
+from .versions import engine_version, prefix_cache_salt
 
 log = logging.getLogger("sluice.engine")
 
@@ -48,6 +60,15 @@ class EngineParts:
     dtype: torch.dtype
     num_blocks: int
     kv_bytes_per_block: int
+
+    def info(self) -> EngineInfo:
+        """What the server reads of this engine (stepped by this process)."""
+        return EngineInfo(
+            tokenizer=self.tokenizer, versions=self.versions, model_name=self.model_name,
+            model_path=self.model_path, device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."), num_blocks=self.num_blocks,
+            kv_bytes_per_block=self.kv_bytes_per_block, limits=self.core.limits,
+            pid=os.getpid())
 
 
 def resolve_device(name: str) -> torch.device:
@@ -90,15 +111,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
             f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16", "dtype") from None
 
 
-def resolve_model_path(config: EngineConfig) -> tuple[Path, str]:
-    if config.model == "tiny":
-        cache = Path(config.cache_dir) if config.cache_dir else None
-        return ensure_tiny_model(cache), config.served_model_name or TINY_MODEL_NAME
-    path = Path(config.model).expanduser()
-    return path, config.served_model_name or path.name
-
-
-def build_engine(config: EngineConfig) -> EngineParts:
+def build_engine(config: EngineConfig, *, step_hook: StepHook | None = None) -> EngineParts:
+    """Load the model and build the engine ``config`` describes. ``step_hook`` runs before
+    the model in every step that runs it (``LLMEngine``)."""
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     threads = cpu_threads(config, device)
@@ -113,13 +128,12 @@ def build_engine(config: EngineConfig) -> EngineParts:
     if device.type == "cpu" and config.decode_kernel:
         loaded.model.set_decode_kernel(load_decode_kernel(), fused=config.fused_decode)
     tokenizer = Tokenizer.from_dir(path)
-    versions = ResolvedVersions(
-        model=name,
+    versions = ResolvedVersions(name, ServedVersions(
         revision=model_revision(path),
         tokenizer=tokenizer.sha256,
         chat_template=tokenizer.chat_template_sha256,
         engine=engine_version(),
-    )
+    ))
     model_len = mcfg.max_position_embeddings
     if config.max_model_len is not None:
         if config.max_model_len > model_len:
@@ -142,22 +156,22 @@ def build_engine(config: EngineConfig) -> EngineParts:
     kv = allocate_kv_cache(mcfg, num_blocks, bs, dtype, device)
     runner = ModelRunner(loaded.model, kv, bs, device)
     eos = tokenizer.eos_token_ids or tuple(mcfg.eos_token_ids)
-    core = LLMEngine(
-        runner=runner,
-        num_blocks=num_blocks,
-        block_size=bs,
-        vocab_size=mcfg.vocab_size,
-        max_model_len=max_model_len,
+    scheduler = Scheduler(
+        BlockManager(num_blocks, bs, config.enable_prefix_cache),
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        aging_s=config.aging_s,
+    )
+    core = LLMEngine(
+        runner=runner,
+        scheduler=scheduler,
+        vocab_size=mcfg.vocab_size,
         eos_token_ids=tuple(eos),
         make_detokenizer=lambda prompt: IncrementalDetokenizer(tokenizer, prompt),
-        make_salt=versions.prefix_cache_salt,
-        enable_prefix_cache=config.enable_prefix_cache,
-        aging_s=config.aging_s,
-        static_batching=config.static_batching,
+        make_salt=functools.partial(prefix_cache_salt, versions),
         seed=config.seed,
-        fault_step_delay_s=config.fault_step_delay_s,
+        step_hook=step_hook,
     )
     log.info("engine ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens "
              "max_model_len=%d cpu_threads=%d", name, device, dtype, num_blocks, bs,

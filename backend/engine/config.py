@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+from modelfiles.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
 
 from .errors import InvalidRequestError
 
@@ -22,7 +25,6 @@ class EngineConfig:
     aging_s: float = 2.0  # waiting this long makes a request one priority level more urgent
     seed: int = 0  # seeds unseeded requests' generators, so a run is repeatable
     cache_dir: str | None = None  # where "tiny" is built; default ~/.cache/sluice
-    static_batching: bool = False  # benchmark baseline: form a batch, run it to completion
     num_threads: int | None = None  # CPU: torch intra-op threads (None: torch's default)
     # CPU, when num_threads is None: cores left out of the model's math for the rest of the
     # process (the HTTP server's event loop), so that its thread pool does not oversubscribe
@@ -32,9 +34,6 @@ class EngineConfig:
     # CPU, with the kernel: steps where every sequence decodes run fused in C
     fused_decode: bool = True
     served_model_name: str | None = None
-    # Fault injection: sleep this long before every step that runs the model (a slow or
-    # overloaded model server, for resilience tests and demos). 0: off.
-    fault_step_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -58,6 +57,12 @@ class EngineConfig:
             raise InvalidRequestError("reserve_cores must be >= 0", "reserve_cores")
         if self.aging_s <= 0:
             raise InvalidRequestError("aging_s must be > 0", "aging_s")
-        if not 0 <= self.fault_step_delay_s <= 60:
-            raise InvalidRequestError("fault_step_delay_s must be in [0, 60]",
-                                      "fault_step_delay_s")
+
+
+def resolve_model_path(config: EngineConfig) -> tuple[Path, str]:
+    """The checkpoint directory (``tiny`` is written on first use) and the served name."""
+    if config.model == "tiny":
+        cache = Path(config.cache_dir) if config.cache_dir else None
+        return ensure_tiny_model(cache), config.served_model_name or TINY_MODEL_NAME
+    path = Path(config.model).expanduser()
+    return path, config.served_model_name or path.name

@@ -26,14 +26,12 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from . import fused_decode
-
-if TYPE_CHECKING:
-    from .models.llama import LlamaForCausalLM
+from .weights import DecoderWeights
 
 log = logging.getLogger("sluice.engine")
 
@@ -347,7 +345,7 @@ class DecodeKernel:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib  # keeps the library loaded
-        self._fns = {}
+        self._fns: dict[torch.dtype, Any] = {}
         for dtype, name in _SYMBOLS.items():
             fn = getattr(lib, name)
             fn.restype = None
@@ -357,13 +355,13 @@ class DecodeKernel:
                            ctypes.c_int64, ctypes.c_int]
             self._fns[dtype] = fn
 
-    def fused_decoder(self, model: LlamaForCausalLM) -> fused_decode.FusedDecoder | None:
-        """The fused small-batch decode step for ``model``; None where this build (no
-        AVX2) or the model (dtype, shapes) cannot use it."""
+    def fused_decoder(self, weights: DecoderWeights) -> fused_decode.FusedDecoder | None:
+        """The fused decode step over these weights; None where this build (no AVX2) or
+        the decoder (dtype, shapes, layout) cannot use it."""
         if not hasattr(self._lib, "fused_available") \
-                or not fused_decode.FusedDecoder.supports(model):
+                or not fused_decode.FusedDecoder.supports(weights):
             return None
-        return fused_decode.FusedDecoder(self._lib, model)
+        return fused_decode.FusedDecoder(self._lib, weights)
 
     def supports(self, cache: torch.Tensor) -> bool:
         return cache.device.type == "cpu" and cache.dtype in self._fns \

@@ -1,23 +1,27 @@
 """The synchronous engine core: one step = schedule, run the model, sample, emit deltas.
 
-``LLMEngine`` is owned by a single thread (``AsyncEngine``'s worker). Nothing in it is
-thread-safe on purpose: requests and aborts reach it between steps.
+``LLMEngine`` is owned by a single thread (a ``CoreTransport``'s step loop). Nothing in it
+is thread-safe on purpose: requests and aborts reach it between steps.
+
+Its collaborators come in through the constructor: the ``Runner`` (the model), the
+``Scheduler`` (with its block manager and the clock), the detokenizer and salt factories, and
+an optional step hook that runs just before the model in every step that runs it (fault
+injection, ``backend/faults.py``, counts as model time).
 """
 
 from __future__ import annotations
 
 import bisect
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from .block_manager import BlockManager
-from .errors import InvalidRequestError, PromptTooLongError
+from .errors import InvalidRequestError
+from .limits import RequestLimits
 from .outputs import EngineState, OutputDelta, RequestMetrics
-from .sampler import make_generator, sample, torch_argmax
+from .sampler import Argmax, make_generator, sample, torch_argmax
 from .sampling import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import FinishReason, Sequence, SequenceStatus
@@ -33,6 +37,9 @@ class Runner(Protocol):
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor: ...
 
 
+StepHook = Callable[[], None]
+
+
 @dataclass(slots=True)
 class _RequestState:
     """Output-side state of a live request."""
@@ -44,75 +51,34 @@ class _RequestState:
     abort_time: float | None = None  # engine clock when abort() was called
 
 
-def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
-                     max_model_len: int) -> None:
-    """Raise ``InvalidRequestError`` for a request that an engine with this vocabulary and
-    context length can never serve (reads nothing else: safe from any thread or process)."""
-    if not isinstance(params, SamplingParams):
-        raise InvalidRequestError("params must be SamplingParams", "params")
-    if not isinstance(prompt_token_ids, list) or not prompt_token_ids:
-        raise InvalidRequestError("prompt must have at least one token", "prompt")
-    for t in prompt_token_ids:
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
-            raise InvalidRequestError(
-                f"prompt token {t!r} is not an id in [0, {vocab_size})", "prompt")
-    n = len(prompt_token_ids)
-    if n >= max_model_len:
-        raise PromptTooLongError(
-            f"prompt has {n} tokens; this model serves at most {max_model_len} "
-            f"tokens in all, so the prompt must be shorter than that", "prompt")
-    if n + params.max_tokens > max_model_len:
-        raise PromptTooLongError(
-            f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
-            f"{n + params.max_tokens} exceeds the maximum context length "
-            f"{max_model_len}", "max_tokens")
-
-
 class LLMEngine:
     def __init__(
         self,
         *,
         runner: Runner,
-        num_blocks: int,
-        block_size: int,
+        scheduler: Scheduler,
         vocab_size: int,
-        max_model_len: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
         eos_token_ids: tuple[int, ...],
         make_detokenizer: Callable[[list[int]], Detokenizer],
         make_salt: Callable[[str | None], bytes],
-        enable_prefix_cache: bool = True,
-        aging_s: float = 2.0,
-        static_batching: bool = False,
         seed: int = 0,
-        clock: Callable[[], float] = time.monotonic,
-        fault_step_delay_s: float = 0.0,
+        step_hook: StepHook | None = None,
     ) -> None:
         self.runner = runner
-        self.fault_step_delay_s = fault_step_delay_s  # see EngineConfig
-        self._sleep: Callable[[float], None] = time.sleep
+        self.step_hook = step_hook
         # the runner's native argmax for greedy rows, where it has one
-        self._argmax = getattr(runner, "argmax", None) or torch_argmax
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_cache)
-        self.scheduler = Scheduler(
-            self.block_manager,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            aging_s=aging_s,
-            static_batching=static_batching,
-            clock=clock,
-        )
+        self._argmax: Argmax = getattr(runner, "argmax", None) or torch_argmax
+        self.scheduler = scheduler
+        self.block_manager = scheduler.bm
+        self.limits = RequestLimits(vocab_size, scheduler.max_model_len)
         self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
+        self.max_model_len = scheduler.max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.make_detokenizer = make_detokenizer
         self.make_salt = make_salt
-        self.static_batching = static_batching
-        self.clock = clock
+        self.seed = seed
+        self.clock = scheduler.clock  # one clock for the scheduler's stamps and ours
         self._requests: dict[str, _RequestState] = {}
-        self._seed = seed
         self._num_unseeded = 0
         self.steps = 0
         self.generated_tokens = 0
@@ -122,7 +88,7 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ``InvalidRequestError`` for a request that can never be served."""
-        validate_request(prompt_token_ids, params, self.vocab_size, self.max_model_len)
+        self.limits.validate(prompt_token_ids, params)
 
     def add_request(
         self,
@@ -158,7 +124,7 @@ class LLMEngine:
                 generator = make_generator(params.seed)
             else:
                 self._num_unseeded += 1
-                generator = make_generator(self._seed * 1_000_003 + self._num_unseeded)
+                generator = make_generator(self.seed * 1_000_003 + self._num_unseeded)
         self._requests[request_id] = _RequestState(
             detok=self.make_detokenizer(seq.prompt_token_ids),
             stopper=StopStringMatcher(params.stop),
@@ -208,8 +174,8 @@ class LLMEngine:
         if out.is_empty:
             return []
         started = self.clock()
-        if self.fault_step_delay_s:  # counted as model time: a slow model server
-            self._sleep(self.fault_step_delay_s)
+        if self.step_hook is not None:  # counted as model time (a slow model, in faults.py)
+            self.step_hook()
         logits = self.runner.execute(out.chunks)
         now = self.clock()
         self.steps += 1
@@ -218,28 +184,14 @@ class LLMEngine:
         params = [s.params for s in sampling]
         gens = [self._generator(s) for s in sampling]
         tokens = sample(logits, params, gens, self._argmax)
-        deltas: list[OutputDelta] = []
-        for seq, tok in zip(sampling, tokens):
-            delta = self._append_token(seq, tok, now)
-            if delta is not None:
-                deltas.append(delta)
-        if self.static_batching:
-            self._end_static_batch_if_done()
-        return deltas
+        return [self._append_token(seq, tok, now) for seq, tok in zip(sampling, tokens)]
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         state = self._requests.get(seq.request_id)
         return state.generator if state is not None else None
 
-    def _append_token(self, seq: Sequence, tok: int, now: float) -> OutputDelta | None:
-        if seq.internal:  # static-batching padding row: its prefill is all it is for
-            self.scheduler.finish(seq, FinishReason.LENGTH)
-            return None
+    def _append_token(self, seq: Sequence, tok: int, now: float) -> OutputDelta:
         seq.token_ids.append(tok)
-        if seq.ghost:
-            if seq.num_tokens >= self.max_model_len:
-                self.scheduler.finish(seq, FinishReason.LENGTH)
-            return None
         self.generated_tokens += 1
         seq.token_times.append(now)
         if seq.first_token_time is None:
@@ -269,10 +221,7 @@ class LLMEngine:
         seq.finish_reason = reason
         seq.finished_time = now
         delta = self._final_delta(seq, text, (tok,), (now,))
-        if self.static_batching and self._batch_still_running(seq):
-            self.scheduler.make_ghost(seq)
-        else:
-            self.scheduler.finish(seq, reason)
+        self.scheduler.finish(seq, reason)
         return delta
 
     def _final_delta(self, seq: Sequence, text: str, token_ids: tuple[int, ...],
@@ -298,17 +247,6 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=seq.num_output_tokens, metrics=metrics)
 
-    # ---- static batching baseline ------------------------------------------------------
-    def _batch_still_running(self, seq: Sequence) -> bool:
-        return any(s is not seq and not s.ghost and not s.internal
-                   for s in self.scheduler.running)
-
-    def _end_static_batch_if_done(self) -> None:
-        running = self.scheduler.running
-        if running and all(s.ghost or s.internal for s in running):
-            for s in list(running):
-                self.scheduler.finish(s, s.finish_reason or FinishReason.LENGTH)
-
     # ---- introspection ----------------------------------------------------------------
     def state(self) -> EngineState:
         bm = self.block_manager
@@ -318,7 +256,7 @@ class LLMEngine:
             kv_blocks_free=bm.num_free_blocks,
             kv_blocks_cached=bm.num_cached_free_blocks,
             block_size=bm.block_size,
-            running=sum(1 for s in sch.running if not (s.ghost or s.internal)),
+            running=len(sch.running),
             waiting=len(sch.waiting),
             preemptions=sch.num_preemptions,
             prefix_cache_queries=bm.stats.queries,

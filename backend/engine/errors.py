@@ -3,11 +3,11 @@
     EngineError
     ├── InvalidRequestError        bad input from the caller (the server maps it to 400)
     │   └── PromptTooLongError     prompt + max_tokens can never fit (max_model_len or KV capacity)
-    ├── ModelLoadError             a checkpoint directory that cannot be served
-    │   ├── MissingFileError       a file the checkpoint needs is absent (names it)
-    │   └── UnsupportedModelError  an architecture or config feature we do not implement
-    ├── TemplateError              the chat template failed to render
     └── EngineDeadError            the step loop crashed; no request can make progress
+
+A checkpoint that cannot be served, or a chat template that fails, raises the errors of
+``modelfiles.errors`` (ModelLoadError and its subclasses, TemplateError, InvalidMessagesError):
+the engine reads the same files as everyone else and passes those errors on unchanged.
 """
 
 from __future__ import annotations
@@ -27,22 +27,6 @@ class InvalidRequestError(EngineError, ValueError):
 
 class PromptTooLongError(InvalidRequestError):
     """The prompt (plus the tokens it asks for) can never fit in this engine."""
-
-
-class ModelLoadError(EngineError):
-    """The checkpoint cannot be loaded."""
-
-
-class MissingFileError(ModelLoadError, FileNotFoundError):
-    """A file the checkpoint needs is missing."""
-
-
-class UnsupportedModelError(ModelLoadError):
-    """The checkpoint asks for an architecture or feature the engine does not implement."""
-
-
-class TemplateError(EngineError):
-    """The chat template could not be rendered for these messages."""
 
 
 class EngineDeadError(EngineError):

@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .sampler import torch_argmax
-
-if TYPE_CHECKING:
-    from .models.llama import LlamaForCausalLM
+from .weights import DecoderWeights
 
 # Decode steps of up to this many sequences run all in C (``FusedDecoder.forward``); larger
 # ones keep oneDNN's prepacked matmuls (``forward_packed``). One step's matmuls of the
@@ -75,9 +73,9 @@ def _fn(lib: ctypes.CDLL, name: str, *args: Any) -> Any:
 
 
 class FusedDecoder:
-    """The fused step bound to one model's weights (and, at first use, its KV cache)."""
+    """The fused step bound to one decoder's weights (and, at first use, its KV cache)."""
 
-    def __init__(self, lib: ctypes.CDLL, model: LlamaForCausalLM) -> None:
+    def __init__(self, lib: ctypes.CDLL, weights: DecoderWeights) -> None:
         i64, ptr, model_p = ctypes.c_int64, ctypes.c_void_p, ctypes.POINTER(_Model)
         self._forward = _fn(lib, "fused_forward", model_p, i64, ptr, ptr, ptr, ptr, i64, ptr,
                             ptr, ptr)
@@ -88,34 +86,30 @@ class FusedDecoder:
                              i64, ptr)
         self._silu_mul = _fn(lib, "fused_silu_mul", ptr, i64, i64, ptr)
         self._argmax = _fn(lib, "argmax_rows", ptr, i64, i64, ptr)
-        self.model = model
-        self.dtype = model.dtype
+        self.weights = weights
+        self.dtype = weights.dtype
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._struct: _Model | None = None
         self._layers: ctypes.Array[_Layer] | None = None
-        cfg = model.config
-        self._scratch_per_row = (2 * cfg.hidden_size + (cfg.num_attention_heads
-                                 + 2 * cfg.num_key_value_heads) * cfg.head_dim
-                                 + cfg.q_size + 3 * cfg.intermediate_size)
+        w = weights
+        self._scratch_per_row = (2 * w.hidden_size + (w.num_heads + 2 * w.num_kv_heads)
+                                 * w.head_dim + w.q_size + 3 * w.intermediate_size)
 
     @staticmethod
-    def supports(model: LlamaForCausalLM) -> bool:
-        """Whether the fused step can run ``model`` (dtype, shapes, layout)."""
-        cfg = model.config
-        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        m = model.model
-        weights = [m.embed_tokens.weight, model.lm_head_weight]
-        layers: list[Any] = list(m.layers)
-        for layer in layers:
-            weights += [layer.self_attn.qkv_weight, layer.self_attn.o_proj.weight,
-                        layer.mlp.gate_up_weight, layer.mlp.down_proj.weight]
-        return (model.dtype in (torch.bfloat16, torch.float32)
-                and m.embed_tokens.weight.device.type == "cpu"
-                and cfg.head_dim % 16 == 0 and heads % kv_heads == 0
+    def supports(weights: DecoderWeights) -> bool:
+        """Whether the fused step can run this decoder (dtype, shapes, layout)."""
+        w = weights
+        heads, kv_heads = w.num_heads, w.num_kv_heads
+        tensors = [w.embed, w.lm_head]
+        for layer in w.layers:
+            tensors += layer.matmuls
+        return (w.dtype in (torch.bfloat16, torch.float32)
+                and w.device.type == "cpu"
+                and w.head_dim % 16 == 0 and heads % kv_heads == 0
                 and heads // kv_heads in (1, 2, 4, 8)
-                and cfg.hidden_size % 8 == 0 and cfg.intermediate_size % 8 == 0
-                and cfg.q_size % 8 == 0
-                and all(w.is_contiguous() for w in weights))
+                and w.hidden_size % 8 == 0 and w.intermediate_size % 8 == 0
+                and w.q_size % 8 == 0
+                and all(t.is_contiguous() for t in tensors))
 
     def _bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> _Model:
         """The C struct: the weights' addresses (taken now; a model moved afterwards gets a
@@ -127,23 +121,18 @@ class FusedDecoder:
                     or not v.is_contiguous():
                 raise ValueError("fused decode: the KV cache must be contiguous and in the "
                                  "model dtype")
-        model, cfg = self.model, self.model.config
-        layers = (_Layer * cfg.num_hidden_layers)()
-        modules: list[Any] = list(model.model.layers)
-        for i, (layer, (k, v)) in enumerate(zip(modules, kv_caches, strict=True)):
-            attn, mlp = layer.self_attn, layer.mlp
+        w = self.weights
+        layers = (_Layer * w.num_layers)()
+        for i, (lw, (k, v)) in enumerate(zip(w.layers, kv_caches, strict=True)):
             layers[i] = _Layer(
-                _ptr(attn.qkv_weight), _ptr(attn.qkv_bias), _ptr(attn.o_proj.weight),
-                _ptr(attn.o_proj.bias), _ptr(mlp.gate_up_weight), _ptr(mlp.down_proj.weight),
-                _ptr(layer.input_layernorm.weight), _ptr(layer.post_attention_layernorm.weight),
-                _ptr(k), _ptr(v))
+                _ptr(lw.qkv), _ptr(lw.qkv_bias), _ptr(lw.o), _ptr(lw.o_bias),
+                _ptr(lw.gate_up), _ptr(lw.down), _ptr(lw.input_norm),
+                _ptr(lw.post_attention_norm), _ptr(k), _ptr(v))
         k0 = kv_caches[0][0]
         self._struct = _Model(
-            cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size,
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, k0.shape[1],
-            k0.shape[2], int(self.dtype == torch.bfloat16), cfg.rms_norm_eps,
-            cfg.head_dim ** -0.5, _ptr(model.model.embed_tokens.weight),
-            _ptr(model.model.norm.weight), layers)
+            w.num_layers, w.hidden_size, w.intermediate_size, w.num_heads, w.num_kv_heads,
+            w.head_dim, k0.shape[1], k0.shape[2], int(self.dtype == torch.bfloat16),
+            w.rms_norm_eps, w.head_dim ** -0.5, _ptr(w.embed), _ptr(w.final_norm), layers)
         self._layers, self._caches = layers, kv_caches
         return self._struct
 
@@ -162,7 +151,7 @@ class FusedDecoder:
         if not 1 <= n <= MAX_ROWS:
             raise ValueError(f"fused decode takes 1..{MAX_ROWS} sequences, got {n}")
         struct = self._bind(kv_caches)
-        out = torch.empty((n, self.model.config.hidden_size), dtype=torch.float32)
+        out = torch.empty((n, self.weights.hidden_size), dtype=torch.float32)
         self._forward(ctypes.byref(struct), n, input_ids.data_ptr(), cos.data_ptr(),
                       sin.data_ptr(), tables.data_ptr(), tables.shape[1],
                       context_lens.data_ptr(), out.data_ptr(), scratch.data_ptr(),
@@ -200,33 +189,34 @@ class FusedDecoder:
         prepacked float32 weights (``prepack_cpu_matmuls`` first), everything between them
         runs here, one call per piece: norms fused with the residual adds, rotary + K/V
         write + attention, silu * up. Same arguments and result as ``forward``."""
-        model = self.model
+        w = self.weights
         struct = self._bind(kv_caches)
         threads = torch.get_num_threads()
-        layers: list[Any] = list(model.model.layers)
-        cfg = model.config
-        n, hidden, inter = input_ids.shape[0], cfg.hidden_size, cfg.intermediate_size
-        h = torch.nn.functional.embedding(input_ids, model.model.embed_tokens.weight).float()
+        n, hidden, inter = input_ids.shape[0], w.hidden_size, w.intermediate_size
+        h = torch.nn.functional.embedding(input_ids, w.embed).float()
         x = torch.empty_like(h)
-        att = torch.empty((n, cfg.q_size), dtype=torch.float32)
+        att = torch.empty((n, w.q_size), dtype=torch.float32)
         act = torch.empty((n, inter), dtype=torch.float32)
-        bf16, eps = int(self.dtype == torch.bfloat16), cfg.rms_norm_eps
+        bf16, eps = int(self.dtype == torch.bfloat16), w.rms_norm_eps
         width, tables_p, ctx_p = tables.shape[1], tables.data_ptr(), context_lens.data_ptr()
-        norms = [layer.input_layernorm.weight for layer in layers] + [model.model.norm.weight]
+        norms = w.norms
         self._add_norm(h.data_ptr(), None, n, hidden, norms[0].data_ptr(), eps, bf16,
                        x.data_ptr(), threads)
-        for i, layer in enumerate(layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = attn.qkv_packed(x)
+        for i, layer in enumerate(w.layers):
+            packed = layer.packed
+            if packed is None:
+                raise ValueError("fused decode: steps of more than MAX_ROWS rows need the "
+                                 "prepacked matmuls (prepack_cpu_matmuls)")
+            qkv = packed.qkv(x)
             self._rope_attend(ctypes.byref(struct), i, qkv.data_ptr(), n, cos.data_ptr(),
                               sin.data_ptr(), tables_p, width, ctx_p, att.data_ptr(), threads)
-            o = attn.o_packed(att)
+            o = packed.o(att)
             self._add_norm(h.data_ptr(), o.data_ptr(), n, hidden,
-                           layer.post_attention_layernorm.weight.data_ptr(), eps, bf16,
+                           layer.post_attention_norm.data_ptr(), eps, bf16,
                            x.data_ptr(), threads)
-            gate_up = mlp.gate_up_packed(x)
+            gate_up = packed.gate_up(x)
             self._silu_mul(gate_up.data_ptr(), n, inter, act.data_ptr(), threads)
-            down = mlp.down_packed(act)
+            down = packed.down(act)
             self._add_norm(h.data_ptr(), down.data_ptr(), n, hidden, norms[i + 1].data_ptr(),
                            eps, bf16, x.data_ptr(), threads)
         return x

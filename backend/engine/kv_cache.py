@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from .model_config import ModelConfig
+from modelfiles.model_config import ModelConfig
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 

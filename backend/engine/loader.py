@@ -1,27 +1,24 @@
 """Load an HF-layout checkpoint directory (config.json + safetensors) into a model.
 
-Accepted layouts: ``model.safetensors``, or ``model.safetensors.index.json`` naming
-shards. Tensors are read one at a time with ``safe_open`` and copied straight into the
-(pre-allocated, target dtype/device) parameters, so peak extra memory is one tensor.
+Which files hold the weights is ``modelfiles.revision.weight_files``'s answer (one file, or
+the shards an index names). Tensors are read one at a time with ``safe_open`` and copied
+straight into the (pre-allocated, target dtype/device) parameters, so peak extra memory is
+one tensor.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from .errors import MissingFileError, ModelLoadError
-from .model_config import ModelConfig
-from .models import CausalLM, build_model
+from modelfiles.errors import ModelLoadError
+from modelfiles.model_config import ModelConfig
+from modelfiles.revision import checkpoint_dir, weight_files
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-_CHUNK = 1 << 20
+from .models import CausalLM, build_model
 
 
 @dataclass(slots=True, frozen=True)
@@ -31,40 +28,13 @@ class LoadedModel:
     path: Path
 
 
-def _checkpoint_dir(path: str | Path) -> Path:
-    root = Path(path)
-    if not root.is_dir():
-        raise MissingFileError(f"model directory not found: {root}")
-    return root
-
-
-def weight_files(path: str | Path) -> list[Path]:
-    """The safetensors files holding the weights (every shard the index names)."""
-    root = _checkpoint_dir(path)
-    index = root / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ModelLoadError(f"cannot read {index}: {exc}") from exc
-        shards = [root / name for name in sorted(set(weight_map.values()))]
-        for shard in shards:
-            if not shard.is_file():
-                raise MissingFileError(f"shard {shard.name} named in {INDEX_FILE} is missing")
-        return shards
-    single = root / SINGLE_FILE
-    if single.is_file():
-        return [single]
-    raise MissingFileError(f"no weights in {root}: looked for {SINGLE_FILE} and {INDEX_FILE}")
-
-
 def _ignored(name: str) -> bool:
     return name.endswith("rotary_emb.inv_freq")
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> LoadedModel:
     """Build the model for ``path``'s config and fill every parameter from its weights."""
-    root = _checkpoint_dir(path)
+    root = checkpoint_dir(path)
     config = ModelConfig.from_dir(root)
     files = weight_files(root)
     device = torch.device(device)
@@ -98,19 +68,3 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str)
     if missing:
         raise ModelLoadError(f"checkpoint lacks tensor(s): {', '.join(sorted(missing))}")
     return LoadedModel(model=model, config=config, path=root)
-
-
-def model_revision(path: str | Path) -> str:
-    """sha256 over config.json and the weight files, each prefixed by its name."""
-    root = _checkpoint_dir(path)
-    config_path = root / "config.json"
-    if not config_path.is_file():
-        raise MissingFileError(f"config.json not found in {root}")
-    digest = hashlib.sha256()
-    for file in [config_path, *sorted(weight_files(root), key=lambda p: p.name)]:
-        digest.update(file.name.encode() + b"\0")
-        digest.update(str(file.stat().st_size).encode() + b"\0")
-        with file.open("rb") as fh:
-            while chunk := fh.read(_CHUNK):
-                digest.update(chunk)
-    return digest.hexdigest()

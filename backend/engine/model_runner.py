@@ -5,7 +5,7 @@ Together with ``models/`` and ``attention.py`` this is the only code that touche
 
 from __future__ import annotations
 
-from typing import cast
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,11 +13,14 @@ from .attention import build_attention_batch
 from .sampler import torch_argmax
 from .scheduler import ScheduledChunk
 
+if TYPE_CHECKING:
+    from .models import CausalLM
+
 
 class ModelRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: CausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
         device: torch.device,
@@ -30,9 +33,8 @@ class ModelRunner:
     def argmax(self, logits: torch.Tensor) -> list[int]:
         """Greedy picks for ``execute``'s logits: the model's native argmax where it has one
         (``FusedDecoder.argmax``), else torch's."""
-        fused = getattr(self.model, "fused", None)
-        return cast(list[int], fused.argmax(logits)) if fused is not None \
-            else torch_argmax(logits)
+        fused = self.model.fused
+        return fused.argmax(logits) if fused is not None else torch_argmax(logits)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:

@@ -24,6 +24,7 @@ One step, in order:
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -71,20 +72,16 @@ class Scheduler:
         max_model_len: int,
         aging_s: float = 2.0,
         watermark: float = 0.01,
-        static_batching: bool = False,
-        clock: Callable[[], float] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        import time
-
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.aging_s = aging_s
-        self.static_batching = static_batching
         # New admissions leave this many blocks free for running sequences to grow into.
         self.watermark_blocks = int(watermark * block_manager.num_blocks)
-        self.clock = clock or time.monotonic
+        self.clock = clock
         self.waiting: list[Sequence] = []  # sorted by key
         self.running: list[Sequence] = []
         self._keys: dict[str, tuple[float, int]] = {}
@@ -118,7 +115,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence from any state and release its blocks. Idempotent."""
-        if seq.status is SequenceStatus.FINISHED and not seq.ghost:
+        if seq.status is SequenceStatus.FINISHED:
             return
         if seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
@@ -129,7 +126,6 @@ class Scheduler:
             seq.num_computed_tokens < seq.num_prompt_tokens
         self.bm.free(seq, uncache=aborted_in_prefill)
         seq.status = SequenceStatus.FINISHED
-        seq.ghost = False
         if seq.finish_reason is None:
             seq.finish_reason = reason
         self._keys.pop(seq.request_id, None)
@@ -155,8 +151,6 @@ class Scheduler:
     # ---- one step ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        if self.static_batching:
-            return self._schedule_static(out)
         self.running.sort(key=self.key)
         self._preempt_for_urgent_waiting(out)
         made_room = len(out.preempted)
@@ -188,7 +182,7 @@ class Scheduler:
         for seq in self.waiting:
             if budget <= 0 or len(self.running) + len(admitted) >= self.max_num_seqs:
                 break
-            num_new = self._try_admit(seq, budget, reserve=self.watermark_blocks)
+            num_new = self.try_admit(seq, budget, reserve=self.watermark_blocks)
             if num_new is None:
                 skipped += 1  # does not fit now; smaller requests behind it may
                 if skipped >= MAX_SKIPPED_PER_STEP:
@@ -201,7 +195,11 @@ class Scheduler:
             self.waiting.remove(seq)
             self.running.append(seq)
 
-    def _try_admit(self, seq: Sequence, budget: int, reserve: int) -> int | None:
+    def try_admit(self, seq: Sequence, budget: int, reserve: int) -> int | None:
+        """Give a waiting sequence the blocks for its next chunk of at most ``budget``
+        tokens (prefix-cache hits first), leaving ``reserve`` blocks free, and mark it
+        running; the chunk's size, or None if the blocks are not there. The caller moves
+        it from ``waiting`` to ``running``."""
         cached = self.bm.lookup(seq)
         computed = len(cached) * self.bm.block_size
         num_new = min(seq.num_tokens - computed, budget)
@@ -235,65 +233,6 @@ class Scheduler:
             out.preempted.append(victim)
             if need <= self.bm.num_free_blocks and len(self.running) < self.max_num_seqs:
                 break
-
-    # ---- static batching (benchmark baseline) -------------------------------------------
-    def _schedule_static(self, out: SchedulerOutput) -> SchedulerOutput:
-        """The classic request-level batching (HF generate, FasterTransformer) on this
-        engine: a batch is formed only when none is running, and runs to completion.
-        Rows that finish keep computing as padding until the longest row ends; shorter
-        prompts are padded to the longest by extra padding rows (``internal``)."""
-        if not self.running:
-            batch: list[Sequence] = []
-            for seq in list(self.waiting):
-                if len(batch) >= self.max_num_seqs:
-                    break
-                if self._try_admit(seq, seq.num_tokens, reserve=0) is None:
-                    break
-                batch.append(seq)
-                self.waiting.remove(seq)
-                self.running.append(seq)
-            self._add_padding_rows(batch)
-        budget = self.max_num_batched_tokens
-        for seq in self.running:
-            if budget <= 0:
-                break
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if num_new <= 0:
-                continue
-            if not self.bm.ensure(seq, seq.num_computed_tokens + num_new):
-                continue  # a padding row that outgrew the pool just idles
-            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
-            budget -= num_new
-        return out
-
-    def _add_padding_rows(self, batch: list[Sequence]) -> None:
-        """Pad every prompt of a static batch to the longest one, as a padded tensor
-        batch would: a throwaway row computes the missing positions."""
-        if not batch:
-            return
-        longest = max(s.num_tokens for s in batch)
-        for seq in batch:
-            pad = longest - seq.num_tokens
-            if pad <= 0:
-                continue
-            row = Sequence(request_id=f"{seq.request_id}#pad", prompt_token_ids=[0] * pad,
-                           params=seq.params, internal=True, arrival_time=seq.arrival_time)
-            if not self.bm.allocate(row, [], pad):
-                continue  # no room to pad: the baseline gets that much cheaper
-            row.status = SequenceStatus.RUNNING
-            self._keys[row.request_id] = (float("inf"), 0)
-            self._by_id[row.request_id] = row
-            self.running.append(row)
-
-    def make_ghost(self, seq: Sequence) -> None:
-        """Static batching: a finished row keeps computing until its batch ends. It is
-        re-keyed so that its request id is free (aborting it is a no-op)."""
-        self._by_id.pop(seq.request_id, None)
-        key = self._keys.pop(seq.request_id)
-        seq.request_id = f"{seq.request_id}#ghost"
-        self._keys[seq.request_id] = key
-        self._by_id[seq.request_id] = seq
-        seq.ghost = True
 
     # ---- after the model ran ------------------------------------------------------------
     def on_step_done(self, out: SchedulerOutput, started: float | None = None,

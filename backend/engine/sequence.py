@@ -49,8 +49,6 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first admission
     num_committed_blocks: int = 0  # leading full blocks registered in the prefix cache
     num_preemptions: int = 0
-    ghost: bool = False  # static-batching baseline only: finished, still computing as padding
-    internal: bool = False  # static-batching padding row: never reported to a caller
     # timings (engine clock, seconds)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

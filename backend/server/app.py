@@ -7,7 +7,6 @@ The engine is built (or handed in) and started in the lifespan and kept on
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -15,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -23,18 +21,11 @@ from starlette.routing import Route
 from backend.engine.async_engine import AsyncEngine
 from backend.engine.config import EngineConfig
 from backend.engine.errors import EngineError
+from protocol.errors import ApiError, InternalError, ServiceUnavailable
+from protocol.http import LimitedBody, error_response, exception_handlers, parse_json_object
 from telemetry import Telemetry
 
-from .errors import (
-    ApiError,
-    BadRequest,
-    InternalError,
-    MethodNotAllowed,
-    NotFound,
-    PayloadTooLarge,
-    Unavailable,
-    from_engine_error,
-)
+from .errors import from_engine_error
 from .metrics import CONTENT_TYPE
 from .middleware import RequestContextMiddleware
 from .responses import GenerationResponse
@@ -60,11 +51,6 @@ class ServerSettings:
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def error_response(err: ApiError) -> Response:
-    return Response(err.json_bytes(), status_code=err.status, media_type="application/json",
-                    headers=err.headers())
-
-
 def api(handler: Handler) -> Handler:
     """Map the errors a handler raises to OpenAI-shaped responses (bad input is never 500)."""
 
@@ -83,29 +69,16 @@ def api(handler: Handler) -> Handler:
 def service_of(request: Request) -> ModelService:
     service: ModelService | None = getattr(request.app.state, "service", None)
     if service is None:
-        raise Unavailable("the model is not loaded yet")
+        raise ServiceUnavailable("the model is not loaded yet")
     return service
 
 
 async def read_json(request: Request, limit: int) -> dict[str, Any]:
     """The body as a JSON object, refusing more than ``limit`` bytes while reading."""
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise PayloadTooLarge(f"request body is {length} bytes; the limit is {limit}")
-    chunks: list[bytes] = []
-    size = 0
+    body = LimitedBody(limit, request.headers.get("content-length"))
     async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-    try:
-        body = json.loads(b"".join(chunks))
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-        raise BadRequest(f"the body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    return body
+        body.add(chunk)
+    return parse_json_object(body.body())
 
 
 def _generation_route(kind: str) -> Handler:
@@ -114,8 +87,8 @@ def _generation_route(kind: str) -> Handler:
         rec = service.begin(request.scope, kind)
         try:
             if getattr(request.app.state, "draining", False):
-                raise Unavailable("the server is shutting down", code="draining",
-                                  retry_after_s=DRAIN_RETRY_AFTER_S)
+                raise ServiceUnavailable("the server is shutting down", code="draining",
+                                         retry_after_s=DRAIN_RETRY_AFTER_S)
             body = await read_json(request, request.app.state.settings.max_body_bytes)
             model = body.get("model")
             rec.requested_model = model if isinstance(model, str) else None
@@ -204,23 +177,6 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok", "model": service.model_name})
 
 
-async def _http_exception(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    if exc.status_code == 404:
-        return error_response(NotFound(f"no route {request.url.path}"))
-    if exc.status_code == 405:
-        return error_response(MethodNotAllowed(f"{request.method} is not allowed on "
-                                               f"{request.url.path}"))
-    err = ApiError(str(exc.detail))
-    err.status = exc.status_code
-    return error_response(err)
-
-
-async def _unhandled(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error on %s", request.url.path, exc_info=exc)
-    return error_response(InternalError(f"internal error: {type(exc).__name__}"))
-
-
 def create_app(config: EngineConfig | None = None, settings: ServerSettings | None = None,
                *, engine: AsyncEngine | None = None,
                telemetry: Telemetry | None = None) -> Starlette:
@@ -228,8 +184,7 @@ def create_app(config: EngineConfig | None = None, settings: ServerSettings | No
     the lifespan to build one from (off the event loop). ``telemetry`` (else one built from
     the ``OTEL_*`` environment) is the app's from then on: the lifespan shuts it down."""
     settings = settings or ServerSettings()
-    if engine is None and config is None:
-        config = EngineConfig()
+    engine_config = config or EngineConfig()
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -237,7 +192,7 @@ def create_app(config: EngineConfig | None = None, settings: ServerSettings | No
         try:
             eng = engine
             if eng is None:
-                eng = await asyncio.to_thread(AsyncEngine.from_config, config)
+                eng = await asyncio.to_thread(AsyncEngine.from_config, engine_config)
             await eng.start()
             service = app.state.service = ModelService(eng, tel)
             try:
@@ -261,7 +216,7 @@ def create_app(config: EngineConfig | None = None, settings: ServerSettings | No
     app = _App(
         routes=routes,
         lifespan=lifespan,
-        exception_handlers={HTTPException: _http_exception, Exception: _unhandled},
+        exception_handlers=exception_handlers(log),
     )
     app.state.settings = settings
     app.state.draining = False

@@ -5,22 +5,14 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from protocol.http import clean_request_id
+from protocol.versions import RESOLVED_HEADER
+
 from .responses import Message, Receive, Scope, Send
 
-MAX_REQUEST_ID_LEN = 128
+_RESOLVED = RESOLVED_HEADER.encode()
 _KNOWN_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models",
                            "/v1/tokenize", "/v1/state", "/metrics", "/health"})
-
-
-def clean_request_id(raw: bytes | None) -> str | None:
-    """The client's x-request-id if it is short printable ASCII, else None (we make one)."""
-    if not raw or len(raw) > MAX_REQUEST_ID_LEN:
-        return None
-    try:
-        text = raw.decode("ascii")
-    except UnicodeDecodeError:
-        return None
-    return text if text.isprintable() and text.strip() == text else None
 
 
 class RequestContextMiddleware:
@@ -46,7 +38,7 @@ class RequestContextMiddleware:
         service = getattr(self.app_state, "service", None)
         extra = [(b"x-request-id", request_id.encode())]
         if service is not None:
-            extra.append((b"x-sluice-resolved", service.resolved_header))
+            extra.append((_RESOLVED, service.resolved_header))
         path = scope.get("path", "")
         route = path if path in _KNOWN_ROUTES else "other"
 

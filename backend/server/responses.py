@@ -14,10 +14,12 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from backend.engine.errors import EngineError
+from protocol.errors import ApiError, InternalError, ServiceUnavailable
+from protocol.sse import dumps, error_event
 
-from .errors import ApiError, InternalError, Unavailable, from_engine_error
+from .errors import from_engine_error
 from .service import ModelService, Prepared
-from .sse import ChunkEncoder, dumps, error_event, whole_response
+from .sse import ChunkEncoder, whole_response
 from .tracing import RequestRecord
 
 log = logging.getLogger("sluice.backend")
@@ -99,15 +101,14 @@ class GenerationResponse:
             self.service.end(self.rec)
 
     async def _send_aborted(self, send: Send) -> None:
-        err = Unavailable("the request was aborted: the server is shutting down",
-                          code="aborted")
+        err = ServiceUnavailable("the request was aborted: the server is shutting down",
+                                 code="aborted")
         try:
             if not self._started:
                 self.rec.status = err.status
                 await send_json(send, err.status, err.json_bytes())
             else:
-                await send({"type": "http.response.body",
-                            "body": error_event(err.message, err.type, err.code, err.status)})
+                await send({"type": "http.response.body", "body": error_event(err)})
         except Exception as exc:  # noqa: BLE001 - the connection may be gone already
             log.debug("could not tell the client about the abort: %r", exc)
 
@@ -122,7 +123,8 @@ class GenerationResponse:
                     if not delta.finished:
                         continue
                     if delta.finish_reason == "abort":
-                        raise Unavailable("the request was aborted: the server is shutting down")
+                        raise ServiceUnavailable(
+                            "the request was aborted: the server is shutting down")
                     body = whole_response(self.p, "".join(parts), delta)
                     self._started = True
                     self.rec.status = 200
@@ -154,10 +156,10 @@ class GenerationResponse:
                 async for delta in stream:
                     if delta.finished:
                         if delta.finish_reason == "abort":
-                            err = self.rec.error = Unavailable(
+                            err = self.rec.error = ServiceUnavailable(
                                 "the request was aborted: the server is shutting down",
                                 code="aborted")
-                            body = error_event(err.message, err.type, err.code, err.status)
+                            body = error_event(err)
                         else:
                             body = enc.final(delta)
                             self.service.end(self.rec)
@@ -169,9 +171,8 @@ class GenerationResponse:
         except (EngineError, ApiError) as exc:
             failure = self.rec.error = exc if isinstance(exc, ApiError) \
                 else from_engine_error(exc)
-            body = error_event(failure.message, failure.type, failure.code, failure.status)
+            body = error_event(failure)
             await send({"type": "http.response.body", "body": body})
             return
         bug = self.rec.error = InternalError("the engine ended the stream without a final output")
-        await send({"type": "http.response.body",
-                    "body": error_event(bug.message, bug.type, bug.code, bug.status)})
+        await send({"type": "http.response.body", "body": error_event(bug)})

@@ -18,17 +18,25 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
-
 from backend.engine.async_engine import AsyncEngine, RequestStream
 from backend.engine.errors import PromptTooLongError
 from backend.engine.outputs import OutputDelta
 from backend.engine.sampling import SamplingParams
+from modelfiles.errors import ModelFileError
+from protocol.contract import (
+    SLUICE_CAPABILITIES,
+    ChatRequest,
+    Kind,
+    check_capabilities,
+    parse,
+    parse_tokenize,
+)
+from protocol.errors import ApiError, BadRequest, ModelNotFound, RevisionMismatch
 from telemetry import Telemetry, extract, priority_class
 
-from .errors import ApiError, BadRequest, ModelNotFound
+from .errors import from_model_file_error
 from .metrics import ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, Kind, TokenizeRequest
+from .sampling import sampling_params
 from .tracing import NO_TENANT, RequestRecord, emit_spans
 
 log = logging.getLogger("sluice.backend")
@@ -59,20 +67,6 @@ class Prepared:
         return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.request_id
 
 
-def validation_error(exc: ValidationError) -> BadRequest:
-    """The first pydantic error as an OpenAI 400 naming the field."""
-    err = exc.errors(include_url=False)[0]
-    loc = err.get("loc", ())
-    param = str(loc[0]) if loc else None
-    where = ".".join(str(p) for p in loc)
-    msg = err.get("msg", "invalid value")
-    if err.get("type") == "missing":
-        return BadRequest(f"missing required field {where!r}", param)
-    if not loc:
-        return BadRequest(f"the body must be a JSON object: {msg}", None)
-    return BadRequest(f"invalid value for {where!r}: {msg}", param)
-
-
 def header(scope: Mapping[str, Any], name: bytes) -> str | None:
     for key, value in scope["headers"]:
         if key == name:
@@ -82,14 +76,14 @@ def header(scope: Mapping[str, Any], name: bytes) -> str | None:
 
 class ModelService:
     def __init__(self, engine: AsyncEngine, telemetry: Telemetry | None = None) -> None:
-        if engine.parts is None:
-            raise ValueError("the service needs an engine built from a config (engine.parts)")
+        if engine.info is None:
+            raise ValueError("the service needs an engine built from a config (engine.info)")
         self.engine = engine
-        self.parts = engine.parts
-        self.tokenizer = engine.parts.tokenizer
-        self.versions = engine.parts.versions
-        self.model_name = engine.parts.model_name
-        self.max_model_len = engine.core.max_model_len
+        self.info = engine.info
+        self.tokenizer = engine.info.tokenizer
+        self.versions = engine.info.versions
+        self.model_name = engine.info.model_name
+        self.max_model_len = engine.info.limits.max_model_len
         self.fingerprint = self.versions.fingerprint()
         self.resolved_header = self.versions.header_value().encode("latin-1", "replace")
         self.created = int(time.time())
@@ -100,9 +94,9 @@ class ModelService:
         self.tracer = self.telemetry.tracer
         self.metrics = ServerMetrics(self.telemetry.registry)
         self.metrics.bind(engine.state, lambda: self.num_inflight)
-        self.clock = engine.core.clock  # the engine's timestamps are on this clock
+        self.clock = engine.clock  # the engine's timestamps are on this clock
         self._records: dict[str, RequestRecord] = {}  # in the engine, not finished yet
-        v = self.versions
+        v = self.versions.versions
         self.span_versions: dict[str, Any] = {k: val for k, val in (
             ("gen_ai.response.model", self.model_name), ("sluice.model.revision", v.revision),
             ("sluice.tokenizer", v.tokenizer), ("sluice.chat_template", v.chat_template),
@@ -131,18 +125,21 @@ class ModelService:
             return
         name, sep, rev = model.partition("@")
         if sep and name == self.model_name:
-            revision = self.versions.revision
-            if rev and (revision == rev or (len(rev) >= 7 and revision.startswith(rev))):
+            served = self.versions.versions
+            if served.revision_matches(rev):
                 return
-            raise BadRequest(f"model {name!r} is served at revision {revision[:12]!r}, "
-                             f"not {rev!r}", "model", code="revision_mismatch")
+            raise RevisionMismatch(f"model {name!r} is served at revision "
+                                   f"{served.revision[:12]!r}, not {rev!r}")
         raise ModelNotFound(f"the model {model!r} does not exist; this server serves "
                             f"{self.model_name!r}", "model")
 
     def encode_messages(self, messages: list[dict[str, Any]],
                         add_generation_prompt: bool = True) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages,
-                                                  add_generation_prompt=add_generation_prompt)
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt)
+        except ModelFileError as exc:
+            raise from_model_file_error(exc) from exc
         # The rendered template carries its own special tokens (bos), as with HF/vLLM.
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -160,16 +157,14 @@ class ModelService:
         raise BadRequest("prompt must be a non-empty string or list of token ids", "prompt")
 
     def prepare(self, kind: Kind, body: dict[str, Any], request_id: str | None) -> Prepared:
-        """Validate a chat or completion body; raises ApiError or engine errors."""
-        try:
-            req: ChatCompletionRequest | CompletionRequest = (
-                ChatCompletionRequest.model_validate(body) if kind == "chat"
-                else CompletionRequest.model_validate(body))
-        except ValidationError as exc:
-            raise validation_error(exc) from None
+        """Validate a chat or completion body; raises ApiError or engine errors.
+
+        The field policy is the gateway's (``protocol.contract``), checked against what the
+        engine serves: a field it would ignore is refused with a 400 naming it."""
+        req = parse(kind, body)
         self.check_model(req.model)
-        req.check_supported()
-        if isinstance(req, ChatCompletionRequest):
+        check_capabilities(req, self.model_name, SLUICE_CAPABILITIES)
+        if isinstance(req, ChatRequest):
             prompt_ids = self.encode_messages(req.messages)
         else:
             prompt_ids = self.encode_prompt(req.prompt)
@@ -178,8 +173,8 @@ class ModelService:
             raise PromptTooLongError(
                 f"this model's maximum context length is {self.max_model_len} tokens; "
                 f"the prompt has {n}", "messages" if kind == "chat" else "prompt")
-        params = req.sampling_params(n, self.max_model_len)
-        self.engine.core.validate(prompt_ids, params)
+        params = sampling_params(req, n, self.max_model_len)
+        self.engine.validate(prompt_ids, params)
         return Prepared(
             kind=kind, request_id=request_id or "", prompt_ids=prompt_ids, params=params,
             priority=req.priority or 0, cache_salt=req.cache_salt or None,
@@ -263,13 +258,8 @@ class ModelService:
 
     # ---- read-only endpoints ------------------------------------------------------------
     def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
-        try:
-            req = TokenizeRequest.model_validate(body)
-        except ValidationError as exc:
-            raise validation_error(exc) from None
+        req = parse_tokenize(body)
         self.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise BadRequest("give exactly one of 'prompt' or 'messages'", "prompt")
         if req.messages is not None:
             tokens = self.encode_messages(req.messages, bool(req.add_generation_prompt))
         elif isinstance(req.prompt, str):
@@ -280,13 +270,13 @@ class ModelService:
         return {"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len}
 
     def models(self) -> dict[str, Any]:
-        v = self.versions
+        v = self.versions.versions
         return {"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created,
             "owned_by": "sluice", "max_model_len": self.max_model_len,
             "revision": v.revision, "tokenizer": v.tokenizer, "chat_template": v.chat_template,
             "engine": v.engine, "system_fingerprint": self.fingerprint,
-            "resolved": v.as_dict(),
+            "resolved": self.versions.as_dict(),
         }]}
 
     def state(self) -> dict[str, Any]:

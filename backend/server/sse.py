@@ -6,16 +6,14 @@ Per-token chunks are the hot path: each is a precomputed byte prefix + the JSON-
 
 from __future__ import annotations
 
-import json
 from json.encoder import encode_basestring
 from typing import Any
 
 from backend.engine.outputs import OutputDelta
+from protocol.sse import DONE, dumps, event
 
 from .service import Prepared
 
-DONE = b"data: [DONE]\n\n"
-dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 # What ``dumps`` does with a str (ensure_ascii=False), without its Python frame.
 quote = encode_basestring
 
@@ -27,10 +25,6 @@ def usage(delta: OutputDelta) -> dict[str, Any]:
         "total_tokens": delta.num_prompt_tokens + delta.num_output_tokens,
         "prompt_tokens_details": {"cached_tokens": delta.num_cached_tokens},
     }
-
-
-def event(obj: dict[str, Any]) -> bytes:
-    return b"data: " + dumps(obj).encode() + b"\n\n"
 
 
 class ChunkEncoder:
@@ -98,12 +92,6 @@ class ChunkEncoder:
         if self.p.include_usage:
             obj["usage"] = None if running is None else usage(running)
         return event(obj)
-
-
-def error_event(message: str, type_: str, code: str | None, status: int) -> bytes:
-    """An in-stream error (headers already sent); the openai SDK raises APIError on it."""
-    return event({"error": {"message": message, "type": type_, "code": code, "param": None,
-                            "status": status}}) + DONE
 
 
 def whole_response(p: Prepared, text: str, final: OutputDelta) -> dict[str, Any]:

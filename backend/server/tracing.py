@@ -26,8 +26,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, StatusCode
 
 from backend.engine.outputs import OutputDelta
-
-from .errors import ApiError
+from protocol.errors import ApiError
 
 if TYPE_CHECKING:
     from .service import Prepared

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +135,15 @@ def test_dockerfile_targets_run_unprivileged_with_healthchecks() -> None:
         "startswith('torch')", "")  # the gateway image installs everything but torch
     for line in re.findall(r"(?m)^(?:ENV|ARG)\s+.*$", text):  # no secret in a layer
         assert not re.search(r"KEY|TOKEN|SECRET|PASSWORD", line, re.IGNORECASE), line
+
+
+def test_the_image_sources_hold_every_package() -> None:
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    include = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    source = stages((DOCKER / "Dockerfile").read_text())["source"]
+    for pattern in include:  # "gateway*": the package and its subpackages
+        package = pattern.rstrip("*")
+        assert f"COPY {package} /src/{package}\n" in source, package
 
 
 def test_dockerignore_keeps_caches_and_venv_out() -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from safetensors import safe_open
 
-from backend.engine.model_config import ModelConfig
+from modelfiles.model_config import ModelConfig
 from sluice.cli import main
 from sluice.plan import (
     GIB,

@@ -164,7 +164,7 @@ http {{
 
 def start_topology(workdir: Path) -> Topology:
     """Start everything (slow starters in parallel); on any failure stop what started."""
-    from backend.engine.tiny_model import ensure_tiny_model
+    from modelfiles.tiny_model import ensure_tiny_model
 
     nginx = shutil.which("nginx") or next(
         (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if Path(p).exists()), None)

@@ -83,7 +83,7 @@ def start_sluice_up(tmp_dir: Path, *extra: str, timeout: float = 180.0) -> Sluic
 
 @pytest.fixture(scope="session")
 def sluice_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceUp]:
-    from backend.engine.tiny_model import ensure_tiny_model
+    from modelfiles.tiny_model import ensure_tiny_model
 
     ensure_tiny_model()  # built once, before the backend and the gateway race to build it
     up = start_sluice_up(tmp_path_factory.mktemp("up"))

@@ -101,12 +101,12 @@ def test_hash_key_command() -> None:
 
 
 def test_the_queue_reserve_reaches_every_upstreams_queue(tmp_path: Path) -> None:
-    from gateway.service import Gateway
+    from gateway.service import build_gateway
 
     path = write(tmp_path, "g.yaml", "models: [{name: a, upstreams: ['http://127.0.0.1:1', "
                  "'http://127.0.0.1:2']}]\nqueue: {reserve_share: 0.25, reserve_priority: 2}")
     cfg = load_gateway_config(path, env={})
-    gw = Gateway(cfg, demo_tenants())
+    gw = build_gateway(cfg, demo_tenants())
     assert len(gw.queues) == 2
     for q in gw.queues.values():
         assert (q.reserve_share, q.reserve_priority) == (0.25, 2)

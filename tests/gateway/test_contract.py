@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from gateway.config import OPENAI_CAPABILITIES, SLUICE_CAPABILITIES
 from gateway.contract import check_capabilities, parse
 from gateway.errors import BadRequest
+from protocol.contract import OPENAI_CAPABILITIES, SLUICE_CAPABILITIES
 
 MSGS = [{"role": "user", "content": "hi"}]
 
@@ -88,3 +88,20 @@ def test_completion_only_features() -> None:
     with pytest.raises(BadRequest) as info:
         parse("completion", {"model": "m", "prompt": "x", "messages": MSGS})
     assert info.value.param == "messages"
+
+
+def test_the_gateway_serves_priority_and_deadlines_for_any_upstream() -> None:
+    body = {"model": "m", "messages": MSGS, "priority": 3, "deadline_ms": 500}
+    check_capabilities(parse("chat", body), "m", OPENAI_CAPABILITIES)
+    check_capabilities(parse("chat", body), "m", frozenset())
+
+
+def test_the_backend_and_the_gateway_differ_only_on_model_and_cache_salt() -> None:
+    from protocol.contract import parse as parse_fields
+
+    assert parse_fields("chat", {"messages": MSGS, "cache_salt": "s"}).cache_salt == "s"
+    for body, param in (({"messages": MSGS}, "model"),
+                        ({"model": "m", "messages": MSGS, "cache_salt": "s"}, "cache_salt")):
+        with pytest.raises(BadRequest) as info:
+            parse("chat", body)
+        assert info.value.param == param

@@ -145,7 +145,7 @@ def test_a_dead_server_is_routed_around(fakes: tuple[FakeBackend, FakeBackend]) 
 
 def test_retries_and_breaker_moves_are_on_the_trace(
         fakes: tuple[FakeBackend, FakeBackend], monkeypatch: pytest.MonkeyPatch) -> None:
-    from loadtest.otlp_sink import OtlpReceiver
+    from telemetry.bench.otlp_sink import OtlpReceiver
     from telemetry.config import TelemetryConfig, TracesConfig
 
     a, b = fakes

@@ -4,12 +4,13 @@ shedding by predicted wait and deadline, and leaving while queued."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from gateway.errors import GatewayError
-from gateway.queue import DispatchQueue
+from gateway.queue import DispatchQueue, EarlyAttempt, QueueSnapshot, Slot, SlotRequest
 from policies.capacity import MemoryGate
 
 
@@ -249,3 +250,244 @@ async def test_the_reserve_applies_to_kv_tokens_too() -> None:
     assert await asyncio.wait_for(q.acquire("u0", "t", 1.0, 0, 300, None, None), 1) >= 0
     waiting.cancel()
     await q.aclose()
+
+
+# ---- snapshot() and the slot() / early() stages --------------------------------------------
+def req(rid: str, tenant: str = "t", tokens: int = 10, priority: int = 5,
+        deadline: float | None = None) -> SlotRequest:
+    return SlotRequest(rid, tenant, 1.0, priority, tokens, deadline, None)
+
+
+async def until(cond: Callable[[], bool], timeout_s: float = 2.0) -> None:
+    """Poll ``cond`` until it holds, failing after ``timeout_s``."""
+    async with asyncio.timeout(timeout_s):
+        while not cond():
+            await asyncio.sleep(0.001)
+
+
+async def empty(q: DispatchQueue, *pending: asyncio.Future[Any]) -> bool:
+    """Once ``pending`` (early gate calls) are done: nothing held by this replica, nothing
+    in flight at the gate."""
+    await until(lambda: all(f.done() for f in pending) and not q.held)
+    q.check_invariants()
+    return await q.gate.in_flight("m") == (0, 0)
+
+
+class BlockGate(MemoryGate):
+    """A gate whose acquire waits until ``opened``, and that can run a hook on a grant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.opened = asyncio.Event()
+        self.opened.set()
+        self.asked: list[str] = []
+        self.answered: list[str] = []
+        self.on_grant: Callable[[str], object] | None = None
+
+    async def acquire(self, upstream: str, request_id: str, tokens: int,
+                      cap_tokens: int | None, cap_seqs: int | None, ttl_s: float) -> bool:
+        self.asked.append(request_id)
+        await self.opened.wait()
+        ok = await super().acquire(upstream, request_id, tokens, cap_tokens, cap_seqs, ttl_s)
+        self.answered.append(request_id)
+        if ok and self.on_grant is not None:
+            self.on_grant(request_id)
+        return ok
+
+
+def gated(gate: BlockGate, **kw: Any) -> DispatchQueue:
+    opts: dict[str, Any] = {"max_len": 1000, "aging_s": 5.0, "slot_ttl_s": 30.0, **kw}
+    return DispatchQueue("m", gate, lambda: (None, 1), **opts)
+
+
+async def test_snapshot_has_what_metrics_and_load_read() -> None:
+    q = make()
+    await q.acquire("holder", "x", 1.0, 5, 7, None, None)
+    w1 = asyncio.ensure_future(q.acquire("w1", "u", 1.0, 5, 5, None, None))
+    w2 = asyncio.ensure_future(q.acquire("w2", "v", 1.0, 5, 3, None, None))
+    await settle()
+    q.check_invariants()
+    snap = q.snapshot()
+    assert snap == QueueSnapshot("m", size=2, waiting_tokens=8, slots_held=1, held_tokens=7,
+                                 dispatched=(), drain_rate=None)
+    q.release("holder", 7)
+    await asyncio.wait_for(w1, 2)
+    snap = q.snapshot()
+    assert (snap.size, snap.waiting_tokens, snap.slots_held, snap.held_tokens) == (1, 3, 1, 5)
+    assert snap.dispatched == (("u", 1),) and snap.drain_rate is not None
+    with pytest.raises(AttributeError):
+        snap.size = 0  # type: ignore[misc]
+    w2.cancel()
+
+
+async def test_slot_releases_the_worst_case_however_the_block_ends() -> None:
+    clock = Clock()
+    q = make(clock=clock)
+    with pytest.raises(RuntimeError):
+        async with q.slot(req("r1", tokens=40)) as slot:
+            assert slot.waited_s == 0.0 and not slot.early and set(q.held) == {"r1"}
+            slot.release()  # early, e.g. before a retry on another server ...
+            raise RuntimeError("upstream failed")
+    assert await empty(q)  # ... and only once
+    assert q.drain_rate() == pytest.approx(40.0)  # released with its worst case, not 0
+
+
+async def test_slot_waits_and_reports_the_wait() -> None:
+    clock = Clock()
+    q = make(clock=clock)
+    async with q.slot(req("holder")):
+        got: list[Slot] = []
+
+        async def waiter() -> None:
+            async with q.slot(req("w")) as slot:
+                got.append(slot)
+
+        task = asyncio.ensure_future(waiter())
+        await until(lambda: q.size == 1)
+        clock.now += 3.0
+    await asyncio.wait_for(task, 2)
+    assert got[0].waited_s == pytest.approx(3.0) and not got[0].early
+    assert await empty(q)
+
+
+async def test_leaving_slot_while_waiting_removes_it_at_once() -> None:
+    q = make()
+    ran = False
+    async with q.slot(req("holder")):
+        async def waiter() -> None:
+            nonlocal ran
+            async with q.slot(req("w")):
+                ran = True
+
+        task = asyncio.ensure_future(waiter())
+        await until(lambda: q.size == 1)
+        task.cancel()
+        await until(lambda: q.size == 0)
+        assert set(q.held) == {"holder"}
+        q.check_invariants()
+    assert await empty(q) and not ran and task.cancelled()
+
+
+async def test_leaving_slot_just_as_it_is_granted_gives_it_back() -> None:
+    gate = BlockGate()
+    q = gated(gate)
+    ran = False
+
+    async def waiter() -> None:
+        nonlocal ran
+        async with q.slot(req("w")):
+            ran = True
+
+    async with q.slot(req("holder")):
+        task = asyncio.ensure_future(waiter())
+        await until(lambda: q.size == 1)
+        # the cancel lands after the grant, before the waiter wakes to it
+        gate.on_grant = lambda rid: asyncio.get_running_loop().call_soon(task.cancel)
+    await until(task.done)
+    assert task.cancelled() and not ran
+    assert await empty(q)
+    # and leaving while the pump's gate call for it is in flight
+    gate.on_grant = None
+    async with q.slot(req("holder2")):
+        task = asyncio.ensure_future(waiter())
+        await until(lambda: q.size == 1)
+        gate.opened.clear()  # the pump's next gate call for w hangs
+        asked = len(gate.asked)
+    await until(lambda: len(gate.asked) > asked and not q.held)
+    task.cancel()
+    await until(lambda: q.size == 0)  # removed at once, the gate call still pending
+    assert task.cancelled()
+    answered = len(gate.answered)
+    gate.opened.set()
+    await until(lambda: len(gate.answered) > answered)  # granted to nobody: given back
+    assert gate.answered[-1] == "w" and not ran and await empty(q)
+    await q.aclose()
+
+
+async def test_slot_takes_the_early_slot() -> None:
+    q = make()
+    r = req("r", tokens=20)
+    async with q.early(r) as early:
+        assert early is not None
+        async with q.slot(r, early) as slot:
+            assert slot.early and slot.waited_s == 0.0 and set(q.held) == {"r"}
+        assert early.consumed
+    assert await empty(q)
+    assert q.drain_rate() == pytest.approx(20.0)  # slot() released it, with its worst case
+
+
+async def test_the_early_slot_is_given_back_when_the_request_will_not_run() -> None:
+    q = make()
+    pending: list[asyncio.Task[bool]] = []
+    # the reservation is refused before the early gate call even ran
+    with pytest.raises(GatewayError):
+        async with q.early(req("r1")) as early:
+            assert early is not None and not early.task.done()
+            pending.append(early.task)
+            raise GatewayError("quota")
+    assert await empty(q, *pending)
+    # ... or after it got the slot
+    with pytest.raises(GatewayError):
+        async with q.early(req("r2")) as early:
+            assert early is not None and await q.took_early(early.task)
+            pending.append(early.task)
+            raise GatewayError("quota")
+    assert await empty(q, *pending)
+    # nothing is asked early while requests wait; slot() queues as usual
+    async with q.slot(req("holder")):
+        w = asyncio.ensure_future(q.acquire("w", "t", 1.0, 5, 1, None, None))
+        await until(lambda: q.size == 1)
+        async with q.early(req("r3")) as early:
+            assert early is None
+        w.cancel()
+    assert await empty(q)
+
+
+async def test_cancelled_mid_early_gives_the_slot_back_when_the_gate_answers() -> None:
+    gate = BlockGate()
+    q = gated(gate)
+    attempts: list[EarlyAttempt] = []
+    reached = asyncio.Event()
+    ran = False
+
+    async def request(take: bool) -> None:
+        nonlocal ran
+        r = req("r")
+        async with q.early(r) as early:
+            assert early is not None
+            attempts.append(early)
+            reached.set()
+            if not take:
+                await asyncio.Event().wait()  # the reservation, cancelled
+            async with q.slot(r, early):  # waits on the early gate call, cancelled
+                ran = True
+
+    for take in (False, True):
+        reached.clear()
+        gate.opened.clear()
+        gate.asked.clear()
+        task = asyncio.ensure_future(request(take))
+        await until(lambda: reached.is_set() and gate.asked == ["r"])
+        task.cancel()
+        await until(task.done)
+        assert task.cancelled() and not q.held and not attempts[-1].task.done()
+        gate.opened.set()  # the early call lands now: its slot goes straight back
+        assert await empty(q, attempts[-1].task)
+        assert not attempts[-1].consumed
+    assert not ran
+
+
+async def test_an_early_attempt_that_got_nothing_queues() -> None:
+    q = make()
+    async with q.slot(req("holder")), q.early(req("r")) as early:
+        assert early is not None and not await q.took_early(early.task)  # full
+
+        async def take() -> Slot:
+            async with q.slot(req("r"), early) as slot:
+                return slot
+
+        task = asyncio.ensure_future(take())
+        await until(lambda: q.size == 1)
+    slot = await asyncio.wait_for(task, 2)
+    assert not slot.early and not early.consumed
+    assert await empty(q)

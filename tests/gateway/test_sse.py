@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.sse import ChunkRewriter
+from protocol.sse import EventSplitter
 
 
 class JsonOnly(ChunkRewriter):
@@ -87,3 +88,24 @@ def test_error_events_pass_and_are_noted() -> None:
     r = ChunkRewriter("pub", "fp_g", False, False)
     out = r.rewrite(b'data: {"error": {"message": "x"}}')
     assert out == b'data: {"error": {"message": "x"}}\n\n' and r.error
+
+
+def test_events_as_the_splitter_hands_them_out() -> None:
+    """Any line ends, comments and multi-line data: the client gets one-line LF events."""
+    chunk = {"model": "m", "system_fingerprint": "fp", "usage": None,
+             "choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": None}]}
+    one_line = json.dumps(chunk).encode()
+    at = one_line.index(b",") + 1  # a line end between two members: still one JSON text
+    multi = b"data: " + one_line[:at] + b"\r\ndata: " + one_line[at:]
+    stream = (b": keep-alive\r\n\r\n" + b"data: " + one_line + b"\r\n\r\n" + multi
+              + b"\r\n\r\n" + b": note\rdata: [DONE]\r\r")
+    r = ChunkRewriter("pub", "fp_g", False, False)
+    splitter = EventSplitter()
+    out: list[bytes | None] = []
+    for at in range(0, len(stream), 7):  # fed in small pieces
+        out += [r.rewrite(e) for e in splitter.feed(stream[at:at + 7])]
+    assert out[0] == b": keep-alive\n\n"
+    expected = {**chunk, "model": "pub", "system_fingerprint": "fp_g"}
+    del expected["usage"]
+    assert [json.loads(o[6:]) for o in out[1:3]] == [expected, expected]  # type: ignore[index]
+    assert out[3] == b"data: [DONE]\n\n" and r.done and r.chunks == 2 and r.tokens == 2

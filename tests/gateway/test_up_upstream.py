@@ -16,7 +16,7 @@ from .conftest import ALPHA, start_sluice_up
 
 @pytest.fixture(scope="module")
 def backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
-    from backend.engine.tiny_model import ensure_tiny_model
+    from modelfiles.tiny_model import ensure_tiny_model
 
     ensure_tiny_model()
     b = start_backend(tmp_path_factory.mktemp("external"))

@@ -3,17 +3,27 @@
 Run as its own process (``python -m tests.loadtest.scripted_server PORT LOG``) so that its
 timing never waits on the test's GIL or event loop. Blocking sockets, one thread per
 connection, and every chunk written at an absolute deadline from when the request was
-read (``time.sleep`` to the deadline, never a sum of sleeps), so the script holds to well
-under a millisecond:
+read (``time.sleep`` to the deadline, never a sum of sleeps, so never early):
 
 * first content token (1 token) at TTFT_MS; then CHUNKS chunks of TOKENS_PER_CHUNK tokens
   every GAP_MS; the final usage and ``[DONE]`` right after the last chunk;
 * running usage (``continuous_usage_stats``) on every content chunk;
 * request ``x-loadtest-idx`` % 10 == 3: 429; == 7: 503 (probes, idx -1, always succeed);
-* ``usage.prompt_tokens`` = words in the prompt + PROMPT_OVERHEAD.
+* ``usage.prompt_tokens`` = words in the prompt + PROMPT_OVERHEAD;
+* a request with the key ``sk-hold-after-N`` gets chunks until N tokens have gone out (N=0:
+  none), then nothing more until the client leaves: a client that abandons a stream
+  (patience, or after k tokens) then never races the script, however late it runs.
 
-A busy machine can still wake a thread late; so each request's actual write times (ms from
-reading the request) go to the JSON-lines file named by argv[2], as the ground truth.
+A busy machine wakes threads late, here and in the client, so the script is only what was
+asked for; what the server actually did is the ground truth. Each streamed request's times
+go to the JSON-lines file named by argv[2], in ``time.perf_counter()`` seconds: on Linux
+that is CLOCK_MONOTONIC, one clock for every process on the machine, so the test compares
+them with the client's own stamps. Each is taken *before* the bytes it dates are written
+(``chunk_at``, ``done_at``) or *after* what it dates happened (``read_at``: the request
+was read in full; ``left_at``: a held stream's client closed it), so that the client's
+matching stamps must lie on the far side of them, however late either side ran. The row
+is written before the connection closes: a client that read the stream to its end finds
+its row in the log.
 """
 
 from __future__ import annotations
@@ -31,6 +41,8 @@ CHUNKS = 4
 TOKENS_PER_CHUNK = 3
 PROMPT_OVERHEAD = 5
 OUTPUT_TOKENS = 1 + CHUNKS * TOKENS_PER_CHUNK
+HOLD_KEY = "sk-hold-after-"
+HOLD_LIMIT_S = 60.0  # a held stream whose client never leaves is dropped after this
 
 
 def status_for(idx: int) -> int:
@@ -71,7 +83,25 @@ def _usage(prompt: int, done: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
 
+def hold_after(headers: dict[str, str]) -> int | None:
+    """N for a request with the key ``sk-hold-after-N``, else None."""
+    key = headers.get("authorization", "").removeprefix("Bearer ")
+    return int(key.removeprefix(HOLD_KEY)) if key.startswith(HOLD_KEY) else None
+
+
+def wait_for_leave(conn: socket.socket) -> float:
+    """Block until the client closes the connection; when it did (this side saw it)."""
+    conn.settimeout(HOLD_LIMIT_S)  # (past it: socket.timeout, and no left_at)
+    try:
+        while conn.recv(4096):
+            pass
+    except ConnectionResetError:
+        pass  # it left with a reset rather than a FIN
+    return time.perf_counter()
+
+
 def serve(conn: socket.socket, log: TextIO, lock: threading.Lock) -> None:
+    row: dict[str, object] | None = None
     try:
         method, headers, raw = _read_request(conn)
         t0 = time.perf_counter()
@@ -79,7 +109,8 @@ def serve(conn: socket.socket, log: TextIO, lock: threading.Lock) -> None:
             conn.sendall(b"HTTP/1.1 404 X\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
             return
         body = json.loads(raw)
-        status = status_for(int(headers.get("x-loadtest-idx", "-1")))
+        idx = int(headers.get("x-loadtest-idx", "-1"))
+        status = status_for(idx)
         if status != 200:
             err = json.dumps({"error": {"message": "scripted", "type": "overloaded",
                                         "code": str(status), "param": None}}).encode()
@@ -89,30 +120,37 @@ def serve(conn: socket.socket, log: TextIO, lock: threading.Lock) -> None:
             return
         text = body["messages"][0]["content"] if "messages" in body else body["prompt"]
         prompt = len(text.split()) + PROMPT_OVERHEAD
+        chunk_at: list[float] = []
+        row = {"idx": idx, "read_at": t0, "chunk_at": chunk_at, "done_at": None,
+               "left_at": None}
+        hold = hold_after(headers)
         conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                      b"x-sluice-queue-ms: 7\r\nconnection: close\r\n\r\n")
         sizes = [1] + [TOKENS_PER_CHUNK] * CHUNKS
         if body.get("max_tokens") == 1:
             sizes = [1]
-        done, written = 0, []
+        done = 0
         for k, n in enumerate(sizes):
+            if hold is not None and done >= hold:
+                row["left_at"] = wait_for_leave(conn)
+                return
             due = t0 + (TTFT_MS + k * GAP_MS) / 1000
             time.sleep(max(0.0, due - time.perf_counter()))
             done += n
             chunk = {"choices": [{"index": 0, "delta": {"content": " tok" * n}}],
                      "usage": _usage(prompt, done)}
-            written.append((time.perf_counter() - t0) * 1000)
+            chunk_at.append(time.perf_counter())
             conn.sendall(_event(chunk))
+        row["done_at"] = time.perf_counter()
         conn.sendall(_event({"choices": [], "usage": _usage(prompt, done)})
                      + b"data: [DONE]\n\n")
-        end = (time.perf_counter() - t0) * 1000
-        with lock:
-            log.write(json.dumps({"idx": int(headers.get("x-loadtest-idx", "-1")),
-                                  "chunks": written, "done": end}) + "\n")
-            log.flush()
     except OSError:
-        pass  # the client went away (a cancellation): nothing to clean up
+        pass  # the client went away (a cancellation) or never left: its row says how far
     finally:
+        if row is not None:
+            with lock:
+                log.write(json.dumps(row) + "\n")
+                log.flush()
         conn.close()
 
 

@@ -31,7 +31,7 @@ def loadtest(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def sluice_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceUp]:
-    from backend.engine.tiny_model import ensure_tiny_model
+    from modelfiles.tiny_model import ensure_tiny_model
 
     ensure_tiny_model()
     up = start_sluice_up(tmp_path_factory.mktemp("up"))

@@ -98,7 +98,7 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Replica]
     Each engine step takes at least 3 ms (``--fault-step-delay``), so that a long answer
     (1900 tokens: 5.7 s or more) outlasts the gateway's stall and shutdown timeouts on any
     machine: the tiny model alone makes ~4,000 tokens/s for one stream on the dev box."""
-    from backend.engine.tiny_model import ensure_tiny_model
+    from modelfiles.tiny_model import ensure_tiny_model
 
     ensure_tiny_model()
     tmp = tmp_path_factory.mktemp("replicas")

@@ -14,8 +14,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from backend.engine.tiny_model import ensure_tiny_model
-from loadtest.otlp_sink import OtlpReceiver, ReceivedSpan
+from modelfiles.tiny_model import ensure_tiny_model
+from telemetry.bench.otlp_sink import OtlpReceiver, ReceivedSpan
 from tests.backend.server.conftest import Backend, start_backend
 from tests.backend.server.test_cancellation import RawClient, stream_body
 

@@ -26,8 +26,8 @@ from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1 import trace_pb2 as pb
 from opentelemetry.trace import Link, SpanContext, SpanKind, StatusCode, TraceFlags
 
-from loadtest.otlp_sink import OtlpGrpcReceiver, OtlpReceiver
 from telemetry import extract, record_phase
+from telemetry.bench.otlp_sink import OtlpGrpcReceiver, OtlpReceiver
 from telemetry.export import BatchExporter, Console, OtlpGrpc, OtlpHttp
 from telemetry.otlp import Encoder
 from telemetry.tracing import Sampler, Span, Tracer, TracerProvider

@@ -21,7 +21,7 @@ from gateway.config import (
     TenantsFile,
 )
 from gateway.tenants import hash_key
-from loadtest.otlp_sink import OtlpReceiver, ReceivedSpan
+from telemetry.bench.otlp_sink import OtlpReceiver, ReceivedSpan
 from telemetry.config import TelemetryConfig, TracesConfig
 from tests.gateway.conftest import TEST_KEY, ThreadedGateway, auth, config_for
 from tests.gateway.fake_backend import FakeBackend
@@ -228,7 +228,7 @@ def test_metrics_count_what_was_sent(gw: ThreadedGateway, fake: FakeBackend) -> 
 
 def test_traces_and_metrics_over_otlp_grpc(fake: FakeBackend,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    from loadtest.otlp_sink import OtlpGrpcReceiver
+    from telemetry.bench.otlp_sink import OtlpGrpcReceiver
     from telemetry.config import MetricsConfig
 
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")

@@ -12,8 +12,8 @@ from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metr
 from opentelemetry.sdk.metrics.export import AggregationTemporality, Gauge, Histogram, Sum
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.otlp_sink import OtlpReceiver, ReceivedMetric
 from telemetry import Registry, Telemetry, priority_class, record_phase
+from telemetry.bench.otlp_sink import OtlpReceiver, ReceivedMetric
 from telemetry.metrics import OTHER, Family
 from telemetry.push import metrics_data
 

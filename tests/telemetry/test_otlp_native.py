@@ -145,7 +145,7 @@ def test_the_encoder_cost_bench_runs_and_checks_both_encoders(
         capsys: pytest.CaptureFixture[str]) -> None:
     import gc
 
-    from loadtest import encoder_cost
+    from telemetry.bench import encoder_cost
 
     try:
         assert encoder_cost.main(["--requests", "40"]) == 0

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 from opentelemetry import trace
 
-from loadtest.otlp_sink import OtlpReceiver
 from telemetry import Telemetry, record_phase
 from telemetry import shipper as shipper_mod
+from telemetry.bench.otlp_sink import OtlpReceiver
 from telemetry.otlp import Encoder, to_record
 from telemetry.shipper import ShipperTransport
 from telemetry.tracing import Sampler, Span, TracerProvider

@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from backend.engine.tiny_model import ensure_tiny_model
 from gateway.tenants import hash_key
-from loadtest.otlp_sink import OtlpReceiver, ReceivedSpan
+from modelfiles.tiny_model import ensure_tiny_model
+from telemetry.bench.otlp_sink import OtlpReceiver, ReceivedSpan
 from tests.backend.server.conftest import free_port
 from tests.gateway.conftest import SluiceUp, start_sluice_up
 

@@ -6,19 +6,24 @@ flat batch of tokens from many sequences with a paged KV cache.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
 
+from modelfiles.errors import UnsupportedModelError
+from modelfiles.model_config import ModelConfig
+
 from ..attention import AttentionBatch
 from ..decode_kernel import DecodeKernel
-from ..errors import UnsupportedModelError
-from ..model_config import ModelConfig
+from ..fused_decode import FusedDecoder
+from ..weights import DecoderWeights
 from .llama import LlamaForCausalLM
 
 
 class CausalLM(Protocol):
     config: ModelConfig
+    fused: FusedDecoder | None  # the fused decode step, where set_decode_kernel made one
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -30,13 +35,15 @@ class CausalLM(Protocol):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
-    def named_parameters(self) -> object: ...
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> None: ...
 
     def prepack_cpu_matmuls(self) -> None: ...
 
     def set_decode_kernel(self, kernel: DecodeKernel | None, fused: bool = True) -> None: ...
+
+    def decoder_weights(self) -> DecoderWeights: ...
 
 
 # Llama, Mistral and Qwen2 share one implementation; ModelConfig encodes the differences

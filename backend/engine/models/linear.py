@@ -31,7 +31,9 @@ _PAD_ROWS = 4
 
 def can_prepack(device: torch.device) -> bool:
     """Whether this torch build can prepack linear weights for ``device``."""
-    return (device.type == "cpu" and torch.backends.mkldnn.is_available()
+    # torch leaves is_available unannotated
+    mkldnn = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+    return (device.type == "cpu" and mkldnn
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
@@ -52,7 +54,9 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] float32 -> [rows, out] float32."""
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none",
+                                                             [], "")
+        return y
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -12,16 +12,19 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from modelfiles.model_config import ModelConfig
+
 from ..attention import AttentionBatch, Workspace, paged_attention, write_kv
 from ..decode_kernel import DecodeKernel
 from ..fused_decode import MAX_ROWS as FUSED_MAX_ROWS
 from ..fused_decode import FusedDecoder
-from ..model_config import ModelConfig
+from ..weights import DecoderWeights, LayerWeights, PackedLayer
 from .linear import HALF_MAX_ROWS, PackedLinear, linear
 
 
@@ -32,6 +35,9 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 class _Proj(nn.Module):
     """An HF-named linear; its weight/bias may alias a slice of a fused tensor."""
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
 
     def __init__(self) -> None:
         super().__init__()
@@ -75,7 +81,7 @@ class _Fused(nn.Module):
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> _Fused:
         # .to()/.half() convert buffers and parameters separately, which would break the
         # aliasing; rebuild the part views from the converted fused buffers.
-        super()._apply(fn, recurse)
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # torch: unannotated
         self._bind()
         return self
 
@@ -89,7 +95,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Fused kernel; accumulates the mean square in float32 for half inputs.
-        w = self.weight
+        w: torch.Tensor = self.weight
         if x.dtype != w.dtype:
             if self.weight32 is None:
                 self.weight32 = w.float()
@@ -99,6 +105,9 @@ class RMSNorm(nn.Module):
 
 class RotaryEmbedding(nn.Module):
     """RoPE with HF's exact inverse frequencies (default, linear, llama3)."""
+
+    inv_freq: torch.Tensor
+    sin_sign: torch.Tensor
 
     def __init__(self, config: ModelConfig, device: torch.device) -> None:
         super().__init__()
@@ -117,7 +126,7 @@ class RotaryEmbedding(nn.Module):
         # rotate_half(x) = cat(-x2, x1) = roll(x, half) * [-1]*half ++ [1]*half
         sign = torch.cat([-torch.ones(half), torch.ones(half)])
         self.register_buffer("sin_sign", sign.to(device), persistent=False)
-        self.half = half
+        self.half_dim = half
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos, signed sin as [T, 1, head_dim] in ``dtype``; computed once per step."""
@@ -129,7 +138,7 @@ class RotaryEmbedding(nn.Module):
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, head_dim] -> x*cos + rotate_half(x)*sin (HF's formula)."""
-        return torch.addcmul(x * cos, torch.roll(x, self.half, dims=-1), sin)
+        return torch.addcmul(x * cos, torch.roll(x, self.half_dim, dims=-1), sin)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
@@ -158,6 +167,9 @@ class _Step:
 
 
 class LlamaAttention(_Fused):
+    qkv_weight: torch.Tensor  # [q + 2 kv, hidden]: q_proj, k_proj, v_proj alias its rows
+    qkv_bias: torch.Tensor | None
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self._fused = {}
@@ -193,6 +205,8 @@ class LlamaAttention(_Fused):
 
 
 class LlamaMLP(_Fused):
+    gate_up_weight: torch.Tensor  # [2 inter, hidden]: gate_proj, up_proj alias its rows
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self._fused = {}
@@ -227,8 +241,23 @@ class LlamaDecoderLayer(nn.Module):
         h += self.mlp(self.post_attention_layernorm(h))
         return h
 
+    def weights(self) -> LayerWeights:
+        attn, mlp = self.self_attn, self.mlp
+        packed = None
+        if attn.qkv_packed is not None and attn.o_packed is not None \
+                and mlp.gate_up_packed is not None and mlp.down_packed is not None:
+            packed = PackedLayer(attn.qkv_packed, attn.o_packed, mlp.gate_up_packed,
+                                 mlp.down_packed)
+        return LayerWeights(
+            qkv=attn.qkv_weight, qkv_bias=attn.qkv_bias, o=attn.o_proj.weight,
+            o_bias=attn.o_proj.bias, gate_up=mlp.gate_up_weight, down=mlp.down_proj.weight,
+            input_norm=self.input_layernorm.weight,
+            post_attention_norm=self.post_attention_layernorm.weight, packed=packed)
+
 
 class _Embedding(nn.Module):
+    weight: nn.Parameter
+
     def __init__(self, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.weight = _param((vocab, hidden), dtype, device)
@@ -243,9 +272,15 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.rotary_emb = RotaryEmbedding(config, device)
 
+    @property
+    def decoder_layers(self) -> list[LlamaDecoderLayer]:
+        return cast("list[LlamaDecoderLayer]", list(self.layers))
+
 
 class LlamaForCausalLM(nn.Module):
     """Decoder + LM head; forward() returns final-norm hidden states for every token."""
+
+    lm_head: _Proj  # absent when the head is tied to the embedding
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -294,7 +329,8 @@ class LlamaForCausalLM(nn.Module):
         step = _Step(m.rotary_emb, cos, sin, batch, self.workspace, self.decode_kernel)
         for layer, (k_cache, v_cache) in zip(m.layers, kv_caches, strict=True):
             h = layer(h, step, k_cache, v_cache)
-        return m.norm(h)
+        out: torch.Tensor = m.norm(h)
+        return out
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -316,7 +352,7 @@ class LlamaForCausalLM(nn.Module):
         ``linear.py``). Costs one float32 copy of the matmul weights in memory. Half
         models then run steps of more than ``HALF_MAX_ROWS`` tokens with float32
         activations (K/V still stored in the model dtype)."""
-        for layer in self.model.layers:
+        for layer in self.model.decoder_layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv_packed = PackedLinear.pack(attn.qkv_weight, attn.qkv_bias)
             attn.o_packed = PackedLinear.pack(attn.o_proj.weight, attn.o_proj.bias)
@@ -325,25 +361,43 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed = PackedLinear.pack(self.lm_head_weight, None)
         if self.dtype != torch.float32:  # multi-row steps of half models run in fp32
             norms = [self.model.norm]
-            for layer in self.model.layers:
+            for layer in self.model.decoder_layers:
                 norms += [layer.input_layernorm, layer.post_attention_layernorm]
             for norm in norms:
                 norm.weight32 = norm.weight.float()
+        self._rebind_fused()  # the fused step's many-row path multiplies with the copies
+
+    def decoder_weights(self) -> DecoderWeights:
+        """The decoder's tensors (references, not copies) and shapes, for the C kernels."""
+        cfg, m = self.config, self.model
+        return DecoderWeights(
+            layers=tuple(layer.weights() for layer in m.decoder_layers),
+            embed=m.embed_tokens.weight, final_norm=m.norm.weight, lm_head=self.lm_head_weight,
+            hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+            num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+            lm_head_packed=self.lm_head_packed)
 
     def set_decode_kernel(self, kernel: DecodeKernel | None, fused: bool = True) -> None:
         """Use ``kernel`` for decode attention where it supports the cache (CPU), and with
         ``fused``, its fused steps for steps where every sequence decodes, where it supports
         the model (``fused_decode.py``)."""
         self.decode_kernel = kernel
-        self.fused = kernel.fused_decoder(self) if kernel is not None and fused else None
+        self.fused = None
+        if kernel is not None and fused:
+            self.fused = kernel.fused_decoder(self.decoder_weights())
+
+    def _rebind_fused(self) -> None:
+        """A fused step in use is made again over the current weights: it holds their
+        addresses (and dtype)."""
+        if self.fused is not None and self.decode_kernel is not None:
+            self.fused = self.decode_kernel.fused_decoder(self.decoder_weights())
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor],
                recurse: bool = True) -> LlamaForCausalLM:
-        # .to(), .float(), .bfloat16() ... move the weights: the fused step holds their
-        # addresses (and dtype), so it is made again for the moved ones.
-        super()._apply(fn, recurse)
-        if self.fused is not None and self.decode_kernel is not None:
-            self.fused = self.decode_kernel.fused_decoder(self)
+        # .to(), .float(), .bfloat16() ... move the weights, so the fused step is made again.
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # torch: unannotated
+        self._rebind_fused()
         return self
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:

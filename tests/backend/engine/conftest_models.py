@@ -10,8 +10,8 @@ import torch
 
 from backend.engine.attention import build_attention_batch
 from backend.engine.kv_cache import allocate_kv_cache
-from backend.engine.model_config import ModelConfig
 from backend.engine.models import CausalLM
+from modelfiles.model_config import ModelConfig
 
 TINY: dict[str, Any] = {
     "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

@@ -1,5 +1,6 @@
-"""The engine in a process of its own (``EngineClient``): same outputs as the engine driven
-directly, aborts that free blocks, errors that keep their type, and no orphan process."""
+"""The engine in a process of its own (``AsyncEngine`` over a ``ProcessTransport``): same
+outputs as the engine driven directly, aborts that free blocks, errors that keep their type,
+and no orphan process."""
 
 from __future__ import annotations
 
@@ -15,16 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from backend.engine.async_engine import RequestStream
+from backend.engine.async_engine import AsyncEngine, RequestStream
 from backend.engine.config import EngineConfig
-from backend.engine.core_process import EngineClient, _error_from_wire, _error_to_wire
-from backend.engine.errors import (
-    EngineDeadError,
-    InvalidRequestError,
-    PromptTooLongError,
-    UnsupportedModelError,
-)
+from backend.engine.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
+from backend.engine.process_transport import ProcessTransport
 from backend.engine.sampling import SamplingParams
+from backend.engine.wire import error_from_wire, error_to_wire
+from modelfiles.errors import UnsupportedModelError
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -45,13 +43,24 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-async def started(cache: Path, **kw: object) -> EngineClient:
-    engine = await asyncio.to_thread(EngineClient.from_config, config(cache, **kw))
+async def started(cache: Path, **kw: object) -> AsyncEngine:
+    transport = await asyncio.to_thread(ProcessTransport.from_config, config(cache, **kw))
+    engine = AsyncEngine(transport)
     await engine.start()
     return engine
 
 
-async def decoding(engine: EngineClient, request_id: str) -> RequestStream:
+def proc_of(engine: AsyncEngine) -> subprocess.Popen[bytes]:
+    assert isinstance(engine.transport, ProcessTransport)
+    return engine.transport.proc
+
+
+def pid_of(engine: AsyncEngine) -> int:
+    assert engine.info is not None
+    return engine.info.pid
+
+
+async def decoding(engine: AsyncEngine, request_id: str) -> RequestStream:
     """A long greedy request that has produced its first token, and its stream."""
     stream = await engine.generate(request_id, [5, 6, 7], greedy(2000))
     async for _ in stream:
@@ -59,7 +68,7 @@ async def decoding(engine: EngineClient, request_id: str) -> RequestStream:
     return stream
 
 
-async def wait_idle(engine: EngineClient, timeout: float = 5.0) -> None:
+async def wait_idle(engine: AsyncEngine, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         st = engine.state()
@@ -74,7 +83,8 @@ async def test_outputs_equal_the_engine_driven_directly(tiny_cache_dir: Path) ->
 
     prompts = [[5, 6, 7, 8], [100, 200, 300], list(range(40, 90)), [9] * 20]
     lengths = [12, 30, 7, 20]
-    core = build_engine(config(tiny_cache_dir)).core
+    parts = build_engine(config(tiny_cache_dir))
+    core = parts.core
     expected: dict[str, list[int]] = {}
     for i, (p, n) in enumerate(zip(prompts, lengths)):
         core.add_request(f"r{i}", p, greedy(n))
@@ -85,9 +95,12 @@ async def test_outputs_equal_the_engine_driven_directly(tiny_cache_dir: Path) ->
 
     engine = await started(tiny_cache_dir)
     try:
-        assert engine.parts.model_name == "sluice-tiny"
-        assert engine.parts.versions.tokenizer == engine.parts.tokenizer.sha256
-        assert engine.parts.pid != os.getpid() and pid_alive(engine.parts.pid)
+        info = engine.info
+        assert info is not None and info.model_name == "sluice-tiny"
+        assert info.versions == parts.versions  # the engine process's, as built here
+        assert info.tokenizer.sha256 == parts.tokenizer.sha256
+        assert info.pid != os.getpid() and pid_alive(info.pid)
+        assert info.limits == core.limits
 
         async def run(i: int) -> tuple[list[int], str, str | None]:
             stream = await engine.generate(f"r{i}", prompts[i], greedy(lengths[i]))
@@ -106,13 +119,13 @@ async def test_outputs_equal_the_engine_driven_directly(tiny_cache_dir: Path) ->
         results = await asyncio.gather(*(run(i) for i in range(len(prompts))))
         for i, (ids, text, reason) in enumerate(results):
             assert ids == expected[f"r{i}"]
-            assert text == engine.parts.tokenizer.decode(ids)
+            assert text == info.tokenizer.decode(ids)
             assert reason == "length"
         await wait_idle(engine)
         assert engine.state().generated_tokens == sum(lengths)
     finally:
         await engine.shutdown()
-    assert engine.proc.returncode == 0
+    assert proc_of(engine).returncode == 0
 
 
 async def test_abort_frees_the_blocks_in_the_engine_process(tiny_cache_dir: Path) -> None:
@@ -154,9 +167,11 @@ async def test_bad_requests_raise_before_anything_is_sent(tiny_cache_dir: Path) 
 
 
 def test_errors_cross_the_wire_with_their_type_and_parameter() -> None:
-    err = _error_from_wire(*_error_to_wire("r", PromptTooLongError("too long", "prompt"))[1:])
+    err = error_from_wire(*error_to_wire("r", PromptTooLongError("too long", "prompt"))[1:])
     assert type(err) is PromptTooLongError and str(err) == "too long" and err.param == "prompt"
-    err = _error_from_wire(*_error_to_wire("r", RuntimeError("boom"))[1:])
+    err = error_from_wire(*error_to_wire("r", UnsupportedModelError("no such model"))[1:])
+    assert type(err) is UnsupportedModelError and str(err) == "no such model"
+    err = error_from_wire(*error_to_wire("r", RuntimeError("boom"))[1:])
     assert "RuntimeError: boom" in str(err)
 
 
@@ -168,7 +183,7 @@ async def test_shutdown_aborts_what_is_still_running(tiny_cache_dir: Path) -> No
     async for d in stream:
         last = d
     assert last is not None and last.finish_reason == "abort"
-    assert engine.proc.returncode == 0 and not engine.is_running
+    assert proc_of(engine).returncode == 0 and not engine.is_running
     with pytest.raises(EngineDeadError):
         await engine.generate("after", [5], greedy(1))
 
@@ -177,7 +192,7 @@ async def test_a_dead_engine_process_fails_open_streams(tiny_cache_dir: Path) ->
     engine = await started(tiny_cache_dir)
     try:
         stream = await decoding(engine, "d")
-        os.kill(engine.parts.pid, signal.SIGKILL)
+        os.kill(pid_of(engine), signal.SIGKILL)
         with pytest.raises(EngineDeadError):
             async with asyncio.timeout(10):
                 async for _ in stream:
@@ -199,7 +214,7 @@ def test_a_checkpoint_the_engine_cannot_load_fails_the_start(tiny_model_dir: Pat
     (bad / "config.json").write_text(json.dumps(cfg))
     t0 = time.monotonic()
     with pytest.raises(UnsupportedModelError):
-        EngineClient.from_config(EngineConfig(model=str(bad), num_threads=1))
+        ProcessTransport.from_config(EngineConfig(model=str(bad), num_threads=1))
     assert time.monotonic() - t0 < 60
 
 
@@ -209,10 +224,10 @@ def test_the_engine_process_dies_with_its_parent(tiny_cache_dir: Path, how: str)
 import os, sys, time
 from backend.engine.async_engine import RequestStream
 from backend.engine.config import EngineConfig
-from backend.engine.core_process import EngineClient
-e = EngineClient.from_config(EngineConfig(model="tiny", cache_dir={str(tiny_cache_dir)!r},
-                                          num_threads=1))
-print(e.parts.pid, flush=True)
+from backend.engine.process_transport import ProcessTransport
+e = ProcessTransport.from_config(EngineConfig(model="tiny", cache_dir={str(tiny_cache_dir)!r},
+                                              num_threads=1))
+print(e.info.pid, flush=True)
 if {how == "exit"}:
     os._exit(0)  # no shutdown: the socket's end of file must end the child
 time.sleep(60)
@@ -241,14 +256,14 @@ def test_the_engine_process_ignores_signals_sent_to_the_group(tiny_cache_dir: Pa
     async def main() -> None:
         engine = await started(tiny_cache_dir)
         try:
-            os.kill(engine.parts.pid, signal.SIGTERM)
-            os.kill(engine.parts.pid, signal.SIGINT)
+            os.kill(pid_of(engine), signal.SIGTERM)
+            os.kill(pid_of(engine), signal.SIGINT)
             stream = await engine.generate("g", [5, 6], greedy(5))
             assert [d.num_output_tokens async for d in stream][-1] == 5
             assert engine.is_running
         finally:
             await engine.shutdown()
-        assert engine.proc.returncode == 0
+        assert proc_of(engine).returncode == 0
 
     asyncio.run(main())
 
@@ -271,7 +286,7 @@ async def test_abort_from_another_thread(tiny_cache_dir: Path) -> None:
 
 async def test_streams_end_when_the_engine_dies_during_shutdown(tiny_cache_dir: Path) -> None:
     engine = await started(tiny_cache_dir)
-    pid = engine.parts.pid
+    pid = pid_of(engine)
     stream = await decoding(engine, "h")
     os.kill(pid, signal.SIGSTOP)  # stuck: it cannot answer the shutdown …
     stopping = asyncio.create_task(engine.shutdown())
@@ -282,4 +297,4 @@ async def test_streams_end_when_the_engine_dies_during_shutdown(tiny_cache_dir: 
         with pytest.raises(EngineDeadError):
             async for _ in stream:
                 pass
-    assert not engine.is_running and engine.proc.returncode == -signal.SIGKILL
+    assert not engine.is_running and proc_of(engine).returncode == -signal.SIGKILL

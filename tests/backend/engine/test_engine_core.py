@@ -1,90 +1,21 @@
-"""Engine core (LLMEngine, AsyncEngine) against a scripted model: stop handling, aborts,
-static batching, the asyncio front. The real model is covered in test_engine_model.py."""
+"""Engine core (LLMEngine, AsyncEngine over a ThreadTransport) against a scripted model:
+stop handling, aborts, the asyncio front. The real model is covered in
+test_engine_model.py."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
-import torch
 
 from backend.engine.async_engine import AsyncEngine
-from backend.engine.engine import LLMEngine
 from backend.engine.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
 from backend.engine.sampling import SamplingParams
-from backend.engine.scheduler import ScheduledChunk
 from backend.engine.sequence import SequenceStatus
 from backend.engine.stop import StopStringMatcher
+from backend.engine.thread_transport import ThreadTransport
 
-VOCAB = 32
-EOS = 0
-# token id -> text; ids 1..26 are letters, 27 is "ab", 28 is "\n", 29 is "xyz"
-PIECES = {i: chr(ord("a") + i - 1) for i in range(1, 27)} | {27: "ab", 28: "\n", 29: "xyz"}
-
-
-class ScriptedRunner:
-    """Next token = script[request's number of output tokens], per prompt's first token."""
-
-    def __init__(self, scripts: dict[int, list[int]]):
-        self.scripts = scripts
-        self.calls = 0
-
-    def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        self.calls += 1
-        rows = []
-        for c in chunks:
-            if not c.samples:
-                continue
-            seq = c.seq
-            script = self.scripts.get(seq.prompt_token_ids[0], [5])
-            tok = script[min(seq.num_output_tokens, len(script) - 1)]
-            row = torch.zeros(VOCAB)
-            row[tok] = 10.0
-            rows.append(row)
-        return torch.stack(rows) if rows else torch.empty(0, VOCAB)
-
-
-class CharDetok:
-    def __init__(self, prompt: list[int]):
-        del prompt
-
-    def add(self, ids: list[int]) -> str:
-        return "".join(PIECES.get(i, "?") for i in ids)
-
-    def flush(self) -> str:
-        return ""
-
-
-def make_engine(scripts: dict[int, list[int]], **kw) -> LLMEngine:
-    args = {"runner": ScriptedRunner(scripts), "num_blocks": 64, "block_size": 4,
-            "vocab_size": VOCAB, "max_model_len": 64, "max_num_seqs": 8,
-            "max_num_batched_tokens": 32, "eos_token_ids": (EOS,),
-            "make_detokenizer": CharDetok, "make_salt": lambda s: (s or "").encode()}
-    args.update(kw)
-    return LLMEngine(**args)
-
-
-def slow_down(engine: LLMEngine, seconds: float = 0.005) -> None:
-    """Make every step take at least ``seconds``: the scripted model is so fast that a
-    request can finish before an abort sent from the event loop lands."""
-    execute = engine.runner.execute
-
-    def slow_execute(chunks):
-        time.sleep(seconds)
-        return execute(chunks)
-
-    engine.runner.execute = slow_execute
-
-
-def run_all(engine: LLMEngine) -> dict[str, list]:
-    deltas: dict[str, list] = {}
-    for _ in range(500):
-        if not engine.has_work():
-            break
-        for d in engine.step():
-            deltas.setdefault(d.request_id, []).append(d)
-    return deltas
+from .scripted import EOS, VOCAB, make_engine, run_all, slow_down
 
 
 def text_of(ds) -> str:
@@ -185,33 +116,9 @@ def test_abort_from_every_state_frees_blocks_before_next_step(phase):
     eng.block_manager.check_invariants()
 
 
-def test_static_batching_pads_and_runs_batch_to_completion():
-    eng = make_engine({}, static_batching=True, max_num_seqs=4, max_num_batched_tokens=64)
-    eng.add_request("short", [1] * 2, SamplingParams(max_tokens=2, temperature=0,
-                                                     ignore_eos=True))
-    eng.add_request("long", [2] * 9, SamplingParams(max_tokens=6, temperature=0,
-                                                    ignore_eos=True))
-    out = eng.step()  # both prefilled in one step, plus a 7-token padding row for "short"
-    assert {d.request_id for d in out} == {"short", "long"}
-    assert any(s.internal for s in eng.scheduler.running) is False  # padding finished
-    eng.add_request("late", [3] * 2, SamplingParams(max_tokens=1, temperature=0,
-                                                    ignore_eos=True))
-    first_step_of_late = None
-    steps = 1
-    while eng.has_work():
-        steps += 1
-        for d in eng.step():
-            if d.request_id == "late" and first_step_of_late is None:
-                first_step_of_late = steps
-    # "late" only starts once "long" (6 tokens) has finished: the batch is not joined,
-    # and "short" kept computing as a padding row in the meantime.
-    assert first_step_of_late == 7
-    assert eng.block_manager.num_free_blocks == 64
-
-
 async def test_async_engine_stream_and_cancel():
     eng = make_engine({3: [1, 2, 3, 4, 5, 6, 7, 8]})
-    aeng = AsyncEngine(eng)
+    aeng = AsyncEngine(ThreadTransport(eng))
     async with aeng:
         stream = await aeng.generate("ok", [3], SamplingParams(max_tokens=5, temperature=0,
                                                                 ignore_eos=True))
@@ -278,7 +185,7 @@ def test_abort_reports_when_it_was_asked_and_tokens_after():
 
 async def test_async_engine_hands_every_final_delta_to_on_final():
     eng = make_engine({3: [1] * 50})
-    aeng = AsyncEngine(eng)
+    aeng = AsyncEngine(ThreadTransport(eng))
     finals = []
     aeng.on_final = finals.append
     async with aeng:
@@ -304,7 +211,7 @@ async def test_async_engine_hands_every_final_delta_to_on_final():
 
 async def test_a_crashed_step_loop_fails_streams_and_calls_on_dead_once():
     eng = make_engine({3: [1, 2, 3, 4, 5, 6, 7, 8]})
-    aeng = AsyncEngine(eng)
+    aeng = AsyncEngine(ThreadTransport(eng))
     dead: list[bool] = []
     aeng.on_dead = lambda: dead.append(True)
     async with aeng:

@@ -12,16 +12,18 @@ import pytest
 from backend.engine.async_engine import AsyncEngine
 from backend.engine.builder import EngineParts, build_engine
 from backend.engine.config import EngineConfig
+from backend.engine.engine import StepHook
 from backend.engine.outputs import OutputDelta
 from backend.engine.sampling import SamplingParams
+from backend.engine.thread_transport import ThreadTransport
 
 
-def make(cache: Path, **kw) -> EngineParts:
+def make(cache: Path, step_hook: StepHook | None = None, **kw) -> EngineParts:
     base = {"model": "tiny", "cache_dir": str(cache), "device": "cpu", "dtype": "float32",
             "block_size": 4, "kv_blocks": 256, "max_num_seqs": 16,
             "max_num_batched_tokens": 24}
     base.update(kw)
-    return build_engine(EngineConfig(**base))
+    return build_engine(EngineConfig(**base), step_hook=step_hook)
 
 
 def run(parts: EngineParts, requests: list[tuple[str, list[int], SamplingParams]],
@@ -143,7 +145,7 @@ def test_stop_strings_and_text_match_decode(tiny_cache_dir):
 
 async def test_abort_with_real_model_frees_everything(tiny_cache_dir):
     parts = make(tiny_cache_dir, max_num_seqs=2)
-    eng = AsyncEngine(parts.core, parts)
+    eng = AsyncEngine(ThreadTransport(parts.core, parts.info()))
     async with eng:
         streams = [await eng.generate(f"r{i}", [5] * 40, SamplingParams(
             max_tokens=200, temperature=0, ignore_eos=True)) for i in range(5)]
@@ -202,19 +204,28 @@ def test_reserve_cores_leaves_cores_to_the_server(monkeypatch):
         EngineConfig(reserve_cores=-1)
 
 
-def test_fault_step_delay_slows_every_model_step(tiny_cache_dir):
-    """Fault injection: every step that runs the model sleeps the delay first (and the
-    outputs do not change); a step with nothing to run does not."""
-    from backend.engine.errors import InvalidRequestError
-
+def test_the_step_hook_runs_before_every_model_step(tiny_cache_dir):
+    """The injected step hook (fault injection's seam) runs once in every step that runs
+    the model, just before it, and changes no output; a step with nothing to run skips it."""
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     plain = run(make(tiny_cache_dir), [("a", [5, 6, 7], params)])
-    slept: list[float] = []
-    slow = make(tiny_cache_dir, fault_step_delay_s=0.02)
-    slow.core._sleep = slept.append
+    events: list[str] = []
+    slow = make(tiny_cache_dir, step_hook=lambda: events.append("hook"))
+    execute = slow.runner.execute
+
+    def model(chunks):
+        events.append("model")
+        return execute(chunks)
+
+    slow.runner.execute = model  # type: ignore[method-assign]
     assert run(slow, [("a", [5, 6, 7], params)]) == plain
-    assert slept == [0.02] * 6  # one prefill step, five decode steps
-    assert slow.core.step() == [] and slept == [0.02] * 6
-    for bad in (-0.001, 61.0):
-        with pytest.raises(InvalidRequestError, match="fault_step_delay_s"):
-            EngineConfig(fault_step_delay_s=bad)
+    assert events == ["hook", "model"] * 6  # one prefill step, five decode steps
+    assert slow.core.step() == [] and len(events) == 12
+
+
+def test_the_builder_hands_the_step_hook_to_the_engine(tiny_cache_dir):
+    def hook() -> None:
+        pass
+
+    assert make(tiny_cache_dir, step_hook=hook).core.step_hook is hook
+    assert make(tiny_cache_dir).core.step_hook is None

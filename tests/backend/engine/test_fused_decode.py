@@ -187,10 +187,10 @@ def test_unsupported_models_keep_the_torch_path(tmp_path: Path, kernel: DecodeKe
     half.model.set_decode_kernel(kernel)
     assert half.model.fused is None and half.model.decode_kernel is kernel
     ok = load_model(tmp_path, torch.float32, torch.device("cpu"))
-    assert FusedDecoder.supports(ok.model)
+    assert FusedDecoder.supports(ok.model.decoder_weights())
     # the AVX2 kernels need head_dim % 16 == 0
     ok.model.config = dataclasses.replace(ok.model.config, head_dim=8)
-    assert not FusedDecoder.supports(ok.model)
+    assert not FusedDecoder.supports(ok.model.decoder_weights())
 
 
 def test_native_argmax_equals_torch(tmp_path: Path, kernel: DecodeKernel) -> None:

@@ -1,20 +1,19 @@
-"""Loader errors, checkpoint layouts and the revision hash (no transformers needed)."""
+"""Loader errors and checkpoint layouts (no transformers needed)."""
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from backend.engine.errors import MissingFileError, ModelLoadError, UnsupportedModelError
-from backend.engine.loader import load_model, model_revision
-from backend.engine.model_config import ModelConfig
+from backend.engine.loader import load_model
 from backend.engine.models import build_model
+from modelfiles.errors import MissingFileError, ModelLoadError, UnsupportedModelError
+from modelfiles.model_config import ModelConfig
 
 CONFIG: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 40,
@@ -128,19 +127,3 @@ def test_wrong_shape_and_unexpected_tensor(tmp_path: Path) -> None:
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(ModelLoadError, match=r"model\.extra\.weight"):
         load_model(tmp_path, torch.float32, "cpu")
-
-
-def test_model_revision_is_stable_and_content_addressed(tmp_path: Path) -> None:
-    _write(tmp_path / "a", shards=2)
-    rev = model_revision(tmp_path / "a")
-    assert rev == model_revision(tmp_path / "a") and len(rev) == 64
-    shutil.copytree(tmp_path / "a", tmp_path / "b")
-    assert model_revision(tmp_path / "b") == rev  # depends on content, not location
-    shard = tmp_path / "b" / "model-00002-of-00002.safetensors"
-    data = bytearray(shard.read_bytes())
-    data[-1] ^= 0x01  # one bit of one weight
-    shard.write_bytes(bytes(data))
-    assert load_file(str(shard))  # still a valid file
-    assert model_revision(tmp_path / "b") != rev
-    (tmp_path / "a" / "config.json").write_text(json.dumps({**CONFIG, "rms_norm_eps": 1e-5}))
-    assert model_revision(tmp_path / "a") != rev

@@ -11,8 +11,8 @@ import torch
 from backend.engine.attention import build_attention_batch
 from backend.engine.kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_memory
 from backend.engine.loader import load_model
-from backend.engine.model_config import ModelConfig
 from backend.engine.models import build_model
+from modelfiles.model_config import ModelConfig
 from tests.backend.engine.conftest_models import PagedRunner, hf_logits, save_hf_checkpoint
 
 pytest.importorskip("transformers")
@@ -150,37 +150,6 @@ def test_module_conversion_keeps_fused_weights_aliased(tmp_path: Path) -> None:
     q = loaded.config.q_size
     assert (attn.qkv_weight[q:q + loaded.config.kv_size] == 3.0).all()
     assert set(model.state_dict()) == set(dict(model.named_parameters()))
-
-
-def test_rope_parameters_and_legacy_rope_scaling_agree() -> None:
-    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8,
-            "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
-            "max_position_embeddings": 1024}
-    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
-    new = ModelConfig.from_hf({**base, "rope_parameters": {
-        "rope_type": "llama3", "rope_theta": 5e5, **scaling}})
-    old = ModelConfig.from_hf({**base, "rope_theta": 5e5,
-                               "rope_scaling": {"type": "llama3", **scaling}})
-    assert new == old and new.rope_scaling is not None and new.rope_theta == 5e5
-    assert new.head_dim == 4 and new.num_key_value_heads == 2 and new.eos_token_ids == ()
-    plain = ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "default"},
-                                 "eos_token_id": [1, 2]})
-    assert plain.rope_scaling is None and plain.eos_token_ids == (1, 2)
-    from backend.engine.errors import UnsupportedModelError
-
-    with pytest.raises(UnsupportedModelError, match="yarn"):
-        ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
-
-
-def test_sliding_window_caps_max_positions() -> None:
-    d = {"architectures": ["MistralForCausalLM"], "vocab_size": 10, "hidden_size": 8,
-         "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
-         "max_position_embeddings": 32768, "sliding_window": 4096}
-    assert ModelConfig.from_hf(d).max_position_embeddings == 4096
-    qwen = {**d, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False}
-    cfg = ModelConfig.from_hf(qwen)
-    assert cfg.max_position_embeddings == 32768 and cfg.attention_bias and not cfg.o_proj_bias
 
 
 def test_kv_cache_sizing() -> None:

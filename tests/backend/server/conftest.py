@@ -79,7 +79,7 @@ def start_backend(tmp_dir: Path, *extra: str, ready_timeout: float = 120.0) -> B
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """Build the tiny checkpoint once, before any server races to build it."""
-    from backend.engine.tiny_model import ensure_tiny_model
+    from modelfiles.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model()
 

@@ -116,6 +116,36 @@ def test_unsupported_fields_are_refused(http: httpx.Client) -> None:
     assert_error(http.post(COMP, json={"prompt": "x", "top_p": 0}), 400, "top_p")
 
 
+@pytest.mark.parametrize(("path", "extra", "param", "code"), [
+    # the engine does not serve these: refused by the gateway's field policy, not dropped
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+     "unsupported_parameter"),
+    (CHAT, {"tool_choice": "auto"}, "tool_choice", "unsupported_parameter"),
+    (CHAT, {"response_format": {"type": "json_object"}}, "response_format",
+     "unsupported_parameter"),
+    (CHAT, {"stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
+    (COMP, {"echo": True}, "echo", "unsupported_parameter"),
+    (COMP, {"logit_bias": {"1": 1}}, "logit_bias", "unsupported_parameter"),
+    (COMP, {"frobnicate": 1}, "frobnicate", "unknown_parameter"),
+    ("/v1/tokenize", {"frobnicate": 1}, "frobnicate", "unknown_parameter"),
+])
+def test_fields_the_engine_does_not_serve_are_named(http: httpx.Client, path: str,
+                                                     extra: dict, param: str,
+                                                     code: str) -> None:
+    base = {"messages": [{"role": "user", "content": "hi"}]} if path == CHAT \
+        else {"prompt": "x"}
+    assert_error(http.post(path, json={**base, **extra}), 400, param, code)
+
+
+def test_what_the_engine_serves_and_the_extensions_are_accepted(http: httpx.Client) -> None:
+    body = {"prompt": "x", "max_tokens": 1, "seed": 1, "stop": ["zz"], "top_k": 3,
+            "stop_token_ids": [5], "ignore_eos": True, "user": "u", "priority": 2,
+            "cache_salt": "s", "deadline_ms": 1000, "n": 1, "logprobs": 0,
+            "presence_penalty": 0}
+    r = http.post(COMP, json=body)
+    assert r.status_code == 200, r.text
+
+
 json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
                       st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20))
 json_value = st.recursive(json_leaf, lambda inner: st.one_of(

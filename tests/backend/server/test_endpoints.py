@@ -104,7 +104,7 @@ async def test_greedy_http_equals_engine(backend: Backend, kind: str) -> None:
     messages = [{"role": "user", "content": "Tell me about the sea and the wind."}]
     prompt = "In the beginning the river"
     engine = await asyncio.to_thread(AsyncEngine.from_config, EngineConfig(model="tiny"))
-    tok = engine.parts.tokenizer
+    tok = engine.info.tokenizer
     ids = (tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
            if kind == "chat" else tok.encode(prompt))
     async with engine:

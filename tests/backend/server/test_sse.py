@@ -10,7 +10,8 @@ import pytest
 from backend.engine.outputs import OutputDelta
 from backend.engine.sampling import SamplingParams
 from backend.server.service import Prepared
-from backend.server.sse import DONE, ChunkEncoder
+from backend.server.sse import ChunkEncoder
+from protocol.sse import DONE
 
 TEXTS = ["Hello", " wor", 'ld "quoted" \\ back', "tab\tnew\nline", "\x00\x1f\x7f",
          "é日本\u2028\u2029", "🙂"]

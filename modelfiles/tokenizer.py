@@ -1,4 +1,4 @@
-"""The model's tokenizer and chat template, loaded from a Hugging Face checkpoint directory.
+"""The model's tokenizer, loaded from a Hugging Face checkpoint directory.
 
 Behaviour follows `transformers` (v5) `PreTrainedTokenizerFast` + `apply_chat_template` for the
 same files, so that prompt token counts and rendered prompts match what users get from HF:
@@ -7,11 +7,9 @@ same files, so that prompt token counts and rendered prompts match what users ge
   what `encode(..., add_special_tokens=True)` adds (BOS or not): transformers v5 drops
   `add_bos_token` / `add_eos_token` from tokenizer_config.json whenever tokenizer.json exists,
   for every tokenizer class (checked against 5.24; v4's LlamaTokenizerFast still honoured them).
-* The chat template comes from `chat_template.jinja` if present, else from
-  `tokenizer_config.json` (`chat_template` as a string, or a list of `{name, template}`); extra
-  named templates may live in `chat_templates/*.jinja`. A named set uses `"default"`, or
-  `"tool_use"` when tools are passed.
-* Rendering uses HF's jinja environment (see `_build_environment`).
+* The chat template: where it is read from and how it renders, see `chat_template`.
+* `sha256` (of tokenizer.json's bytes) and `chat_template_sha256` name the versions every
+  response reports and the prefix cache salts with.
 """
 
 from __future__ import annotations
@@ -19,36 +17,30 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.utils
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 
-from backend.engine.errors import (
-    InvalidRequestError,
-    MissingFileError,
-    ModelLoadError,
-    TemplateError,
+from .chat_template import (
+    TOKENIZER_CONFIG_FILE,
+    build_environment,
+    load_chat_template,
+    normalize_messages,
+    plain_copy,
 )
+from .errors import MissingFileError, ModelLoadError, TemplateError
 
 TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-CHAT_TEMPLATE_FILE = "chat_template.jinja"
-CHAT_TEMPLATE_DIR = "chat_templates"
 GENERATION_CONFIG_FILE = "generation_config.json"
 
 # The named special tokens HF passes to every chat template (`special_tokens_map`).
 _SPECIAL_TOKEN_ATTRIBUTES = (
     "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
 )
-# Names a message's reasoning is passed under; HF copies it under the first and "thinking".
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 def _token_text(value: Any) -> str | None:
@@ -70,141 +62,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path.name} must hold a JSON object")
     return data
-
-
-def _build_environment() -> ImmutableSandboxedEnvironment:
-    """The jinja environment HF renders chat templates with (chat_template_utils.py)."""
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(
-        x: Any,
-        ensure_ascii: bool = False,
-        indent: int | None = None,
-        separators: tuple[str, str] | None = None,
-        sort_keys: bool = False,
-    ) -> str:
-        # HF overrides jinja's tojson, which would HTML-escape the output.
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
-
-    def strftime_now(format: str) -> str:
-        return datetime.now().strftime(format)
-
-    class TemplateDict:
-        """`dict` without attribute access to the type itself (no type-hackery escapes)."""
-
-        def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-            return dict(*args, **kwargs)
-
-        def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-            return dict.fromkeys(*args, **kwargs)
-
-    class TemplateNamespace(jinja2.utils.Namespace):
-        """`namespace()` that refuses underscore-prefixed attributes."""
-
-        def __init__(*args: Any, **kwargs: Any) -> None:
-            self, rest = args[0], args[1:]
-            attrs = dict(*rest, **kwargs)
-            for name in attrs:
-                TemplateNamespace._check_name(name)
-            jinja2.utils.Namespace.__init__(self, attrs)
-
-        def __setitem__(self, name: str, value: Any) -> None:
-            TemplateNamespace._check_name(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-        @staticmethod
-        def _check_name(name: object) -> None:
-            if isinstance(name, str) and name.startswith("_"):
-                raise jinja2.exceptions.SecurityError(
-                    f"chat templates cannot store underscore-prefixed attributes, got {name!r}"
-                )
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    env.globals["dict"] = TemplateDict()
-    env.globals["namespace"] = TemplateNamespace
-    return env
-
-
-def _plain(value: Any) -> Any:
-    """A copy made only of JSON types, so the sandbox never sees caller objects (as HF does)."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
-    return f"<{type(value).__name__}>"
-
-
-def normalize_messages(messages: object) -> list[dict[str, Any]]:
-    """Validate OpenAI-style chat messages and return plain copies ready for a template.
-
-    Each message is a dict with a string `role` and a `content` that is a string or a list of
-    `{"type": "text", "text": ...}` parts (joined with "\\n", as vLLM does). An assistant message
-    may omit content when it carries `tool_calls`. Keys whose value is None are dropped, as HF
-    does. Raises InvalidRequestError(param="messages").
-    """
-    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
-        raise InvalidRequestError("messages must be a list of message objects", param="messages")
-    if not messages:
-        raise InvalidRequestError("messages must not be empty", param="messages")
-    out: list[dict[str, Any]] = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise InvalidRequestError(f"messages[{i}] must be an object", param="messages")
-        role = message.get("role")
-        if not isinstance(role, str) or not role:
-            raise InvalidRequestError(f"messages[{i}].role must be a string", param="messages")
-        plain = {k: v for k, v in _plain(dict(message)).items() if v is not None}
-        content = plain.get("content")
-        if isinstance(content, list):
-            plain["content"] = _join_text_parts(content, i)
-        elif content is None:
-            if not (role == "assistant" and plain.get("tool_calls")):
-                raise InvalidRequestError(f"messages[{i}].content is required", param="messages")
-        elif not isinstance(content, str):
-            raise InvalidRequestError(
-                f"messages[{i}].content must be a string or a list of text parts", param="messages"
-            )
-        reasoning = next((plain[k] for k in _REASONING_FIELDS if plain.get(k) is not None), None)
-        if reasoning is not None:
-            plain = {"thinking": reasoning, **plain, "reasoning_content": reasoning}
-        out.append(plain)
-    return out
-
-
-def _join_text_parts(parts: list[Any], index: int) -> str:
-    texts: list[str] = []
-    for j, part in enumerate(parts):
-        if not isinstance(part, dict) or part.get("type") != "text":
-            raise InvalidRequestError(
-                f"messages[{index}].content[{j}] must be a text part; only text is supported",
-                param="messages",
-            )
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise InvalidRequestError(
-                f"messages[{index}].content[{j}].text must be a string", param="messages"
-            )
-        texts.append(text)
-    return "\n".join(texts)
 
 
 class Tokenizer:
@@ -276,7 +133,7 @@ class Tokenizer:
             backend,
             sha256=hashlib.sha256(raw).hexdigest(),
             special_tokens=special_tokens,
-            chat_template=_load_chat_template(root, config),
+            chat_template=load_chat_template(root, config),
             extra_eos_token_ids=_generation_eos_ids(root / GENERATION_CONFIG_FILE),
         )
 
@@ -349,12 +206,12 @@ class Tokenizer:
         template = self._select_template(tools)
         compiled = self._compile(template)
         # As HF: kwargs override the special tokens; everything visible is plain JSON data.
-        variables = _plain({**self._special_tokens, **template_kwargs})
+        variables = plain_copy({**self._special_tokens, **template_kwargs})
         try:
             return compiled.render(
                 messages=chat,
-                tools=_plain(tools),
-                documents=_plain(documents),
+                tools=plain_copy(tools),
+                documents=plain_copy(documents),
                 add_generation_prompt=add_generation_prompt,
                 **variables,
             )
@@ -381,37 +238,13 @@ class Tokenizer:
         compiled = self._compiled.get(template)
         if compiled is None:
             if self._env is None:
-                self._env = _build_environment()
+                self._env = build_environment()
             try:
                 compiled = self._env.from_string(template)
             except jinja2.TemplateError as exc:
                 raise TemplateError(f"invalid chat template: {exc}") from exc
             self._compiled[template] = compiled
         return compiled
-
-
-def _load_chat_template(root: Path, config: Mapping[str, Any]) -> str | dict[str, str] | None:
-    """chat_template.jinja (and chat_templates/*.jinja) win over tokenizer_config's template."""
-    files: dict[str, str] = {}
-    if (root / CHAT_TEMPLATE_FILE).is_file():
-        files["default"] = (root / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
-    if (root / CHAT_TEMPLATE_DIR).is_dir():
-        for path in sorted((root / CHAT_TEMPLATE_DIR).glob("*.jinja")):
-            files[path.name.removesuffix(".jinja")] = path.read_text(encoding="utf-8")
-    if files:
-        return files["default"] if list(files) == ["default"] else files
-
-    value = config.get("chat_template")
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        try:
-            return {str(t["name"]): str(t["template"]) for t in value}
-        except (KeyError, TypeError) as exc:
-            raise ModelLoadError(
-                f"{TOKENIZER_CONFIG_FILE}: chat_template list items need 'name' and 'template'"
-            ) from exc
-    raise ModelLoadError(f"{TOKENIZER_CONFIG_FILE}: chat_template must be a string or a list")
 
 
 def _generation_eos_ids(path: Path) -> list[int]:

@@ -88,7 +88,7 @@ CHAT_TEMPLATE = """\
 
 
 def _corpus_text() -> str:
-    resource = importlib.resources.files("backend.engine").joinpath("data/corpus.txt")
+    resource = importlib.resources.files("modelfiles").joinpath("data/corpus.txt")
     return resource.read_text(encoding="utf-8")
 
 
@@ -196,10 +196,11 @@ def write_tiny_model(out_dir: Path, shape: Shape = TINY) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()
-    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    found = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     # Invariant: the trainer puts special tokens first, so ids are stable across corpora.
-    if [ids[t] for t in SPECIAL_TOKENS] != list(range(len(SPECIAL_TOKENS))):
-        raise RuntimeError(f"unexpected special token ids: {ids}")
+    if [found[t] for t in SPECIAL_TOKENS] != list(range(len(SPECIAL_TOKENS))):
+        raise RuntimeError(f"unexpected special token ids: {found}")
+    ids = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
     vocab_size = _padded_vocab(tok.get_vocab_size(with_added_tokens=True))
 
     files: dict[str, bytes] = {

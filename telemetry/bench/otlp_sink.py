@@ -5,7 +5,7 @@ in for it. OTLP/HTTP runs its own event loop in a daemon thread, so sync and asy
 use it without sharing their loop; OTLP/gRPC runs on grpcio's server. Both flatten exports
 into frozen records that tests compare with `==`, or with `decode=False` only count requests
 and bytes (a cheap sink for the benchmark). Manual use next to `sluice up`:
-`python -m loadtest.otlp_sink [--port P] [--no-decode] [--grpc]`.
+`python -m telemetry.bench.otlp_sink [--port P] [--no-decode] [--grpc]`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,11 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Self, TypeVar
 
-import grpc
-from google.protobuf.message import DecodeError, Message
+import grpc  # type: ignore[import-untyped]  # grpcio ships no type information
+from google.protobuf.message import (  # type: ignore[import-untyped]  # nor does protobuf
+    DecodeError,
+    Message,
+)
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2 as msvc
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2_grpc as msvc_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as tsvc
@@ -364,11 +367,13 @@ class OtlpGrpcReceiver(_ReceiverBase):
     def start(self) -> None:
         server = grpc.server(futures.ThreadPoolExecutor(self._max_workers),
                              options=[("grpc.max_receive_message_length", MAX_BODY_BYTES)])
-        tsvc_grpc.add_TraceServiceServicer_to_server(self._servicer(
-            tsvc_grpc.TraceServiceServicer, "traces", tsvc.ExportTraceServiceResponse), server)
-        msvc_grpc.add_MetricsServiceServicer_to_server(self._servicer(
-            msvc_grpc.MetricsServiceServicer, "metrics", msvc.ExportMetricsServiceResponse),
-            server)
+        # typed here: the generated *_pb2_grpc modules are unannotated
+        add_traces: Callable[[Any, Any], None] = tsvc_grpc.add_TraceServiceServicer_to_server
+        add_metrics: Callable[[Any, Any], None] = msvc_grpc.add_MetricsServiceServicer_to_server
+        add_traces(self._servicer(tsvc_grpc.TraceServiceServicer, "traces",
+                                  tsvc.ExportTraceServiceResponse), server)
+        add_metrics(self._servicer(msvc_grpc.MetricsServiceServicer, "metrics",
+                                   msvc.ExportMetricsServiceResponse), server)
         if not (port := server.add_insecure_port(f"{self._host}:{self._port}")):
             raise OSError(f"cannot bind OTLP/gRPC receiver to {self._host}:{self._port}")
         server.start()
@@ -383,7 +388,7 @@ class OtlpGrpcReceiver(_ReceiverBase):
         """A generated servicer (`base`) whose Export stores into this receiver."""
         rx = self
 
-        class Servicer(base):  # type: ignore[misc, valid-type]
+        class Servicer(base):  # type: ignore[misc]  # a base class chosen at run time
             def Export(self, request: Any, context: grpc.ServicerContext) -> Message:
                 rx._count(request.ByteSize())
                 if rx.status != 200:
@@ -398,7 +403,8 @@ class OtlpGrpcReceiver(_ReceiverBase):
 
 def main(argv: list[str] | None = None) -> int:
     """Run a receiver until SIGINT/SIGTERM, printing a line per decoded export."""
-    parser = argparse.ArgumentParser(prog="python -m loadtest.otlp_sink", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m telemetry.bench.otlp_sink",
+                                     description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", type=int, help="default 4318 (HTTP) or 4317 (gRPC)")
     parser.add_argument("--host", default="127.0.0.1")

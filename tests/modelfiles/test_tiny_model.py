@@ -1,4 +1,4 @@
-"""The deterministic tiny checkpoint (and the resolved versions built from it)."""
+"""The deterministic tiny checkpoint."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 import pytest
 
-from backend.engine import tiny_model
-from backend.engine.tiny_model import TINY_MODEL_NAME, ensure_tiny_model, write_tiny_model
-from backend.engine.tokenizer import Tokenizer
-from backend.engine.versions import ResolvedVersions, engine_version
+from modelfiles import tiny_model
+from modelfiles.revision import model_revision
+from modelfiles.tiny_model import ensure_tiny_model, write_tiny_model
+from modelfiles.tokenizer import Tokenizer
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 EXPECTED_FILES = {
     "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
     "tokenizer_config.json", "chat_template.jinja",
@@ -73,7 +73,7 @@ def test_two_builds_are_byte_identical(tiny_dir: Path, tmp_path: Path) -> None:
     # The second build runs in a fresh process with a different hash seed and thread count,
     # which is what would expose hash-order or thread-order dependence in BPE training.
     other = tmp_path / "other"
-    code = "import sys; from pathlib import Path; from backend.engine.tiny_model import " \
+    code = "import sys; from pathlib import Path; from modelfiles.tiny_model import " \
            "write_tiny_model; write_tiny_model(Path(sys.argv[1]))"
     env = {**os.environ, "PYTHONHASHSEED": "12345", "RAYON_NUM_THREADS": "1",
            "PYTHONPATH": str(REPO_ROOT)}
@@ -169,56 +169,13 @@ def test_ensure_tiny_model_failure_leaves_nothing(tmp_path: Path,
     assert list(tmp_path.iterdir()) == []
 
 
-# ---------------------------------------------------------------- resolved versions
-
-
-@pytest.fixture(scope="module")
-def versions(tiny_dir: Path) -> ResolvedVersions:
+def test_the_published_bytes_do_not_change(tiny_dir: Path) -> None:
+    # The revision, tokenizer and template hashes every `--model tiny` answer reports (and the
+    # prefix cache salts with). A change here must bump GENERATOR_VERSION.
     tok = Tokenizer.from_dir(tiny_dir)
-    revision = hashlib.sha256((tiny_dir / "model.safetensors").read_bytes()).hexdigest()
-    return ResolvedVersions(TINY_MODEL_NAME, revision, tok.sha256, tok.chat_template_sha256)
-
-
-def test_header_value_uses_short_hashes(versions: ResolvedVersions) -> None:
-    assert versions.engine == engine_version() and engine_version().startswith("sluice-engine/")
-    assert versions.chat_template is not None
-    assert versions.header_value() == (
-        f"model=sluice-tiny; revision={versions.revision[:12]}; "
-        f"tokenizer={versions.tokenizer[:12]}; chat_template={versions.chat_template[:12]}; "
-        f"engine={versions.engine}"
-    )
-    no_template = ResolvedVersions("m", "main", "ab" * 32, None, engine="e/1")
-    assert no_template.header_value() == (
-        f"model=m; revision=main; tokenizer={'ab' * 6}; chat_template=none; engine=e/1"
-    )
-    assert len(versions.tokenizer) == 64  # fields keep full values
-
-
-def test_fingerprint_is_stable_and_sensitive(versions: ResolvedVersions) -> None:
-    fp = versions.fingerprint()
-    assert fp.startswith("fp_") and len(fp) == 15
-    assert fp == ResolvedVersions(**versions.as_dict()).fingerprint()  # type: ignore[arg-type]
-    changed = [
-        ResolvedVersions(**{**versions.as_dict(), key: value})  # type: ignore[arg-type]
-        for key, value in [("model", "x"), ("revision", "0" * 64), ("tokenizer", "1" * 64),
-                           ("chat_template", None), ("engine", "sluice-engine/9")]
-    ]
-    assert len({fp, *(v.fingerprint() for v in changed)}) == 6
-    assert set(versions.as_dict()) == {"model", "revision", "tokenizer", "chat_template", "engine"}
-
-
-def test_prefix_cache_salt(versions: ResolvedVersions) -> None:
-    root = versions.prefix_cache_salt(None)
-    assert isinstance(root, bytes) and len(root) == 32
-    assert root == versions.prefix_cache_salt(None) == versions.prefix_cache_salt("")
-    salts = {versions.prefix_cache_salt(s) for s in ["a", "b", "\x00", "\x01", "none"]}
-    assert len(salts) == 5 and root not in salts
-    as_dict = versions.as_dict()
-    for key in ("revision", "tokenizer", "chat_template"):
-        changed = {**as_dict, key: None if key == "chat_template" else "z"}
-        other = ResolvedVersions(**changed)  # type: ignore[arg-type]
-        assert other.prefix_cache_salt("a") != versions.prefix_cache_salt("a")
-    # The engine version and the display name do not change what a KV block contains.
-    renamed_fields = {**as_dict, "model": "alias", "engine": "e/2"}
-    renamed = ResolvedVersions(**renamed_fields)  # type: ignore[arg-type]
-    assert renamed.prefix_cache_salt("a") == versions.prefix_cache_salt("a")
+    assert model_revision(tiny_dir) == (
+        "776330485d788ac694d45351865b29de8f28929d002da341d38dce4abb8ddcbb")
+    assert tok.sha256 == "b59d0043991497a4dabfbf99b90a86c5871b096ccf27a657bb4d30140cc501c2"
+    assert tok.chat_template_sha256 == (
+        "509661c62bf25be2b6b2fbb16567ea51015caabdf8db050401a5bcd035e1286e")
+    assert tiny_model.generator_hash() == "4c10c5572432"

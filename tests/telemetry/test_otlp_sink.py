@@ -26,7 +26,7 @@ from opentelemetry.proto.metrics.v1 import metrics_pb2
 from opentelemetry.proto.resource.v1 import resource_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from loadtest.otlp_sink import (
+from telemetry.bench.otlp_sink import (
     OtlpGrpcReceiver,
     OtlpReceiver,
     ReceivedEvent,
@@ -369,7 +369,8 @@ def test_main_prints_a_line_per_export(client: httpx.Client) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "loadtest.otlp_sink", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "telemetry.bench.otlp_sink",
+                             "--port", str(port)],
                             cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,
                             env=os.environ | {"PYTHONUNBUFFERED": "1"})
     try:

@@ -1,0 +1,101 @@
+"""The decoder's tensors as plain values: what the C kernels read, and nothing else.
+
+A model builds one ``DecoderWeights`` (``LlamaForCausalLM.decoder_weights``) from its
+modules; the fused decode step (``fused_decode.py``) and the matmul bench consume it, so
+they never walk a model's module tree. It holds references, not copies: a model whose
+tensors move (``.to()``, a dtype change) builds a new one, and with it a new fused step,
+since the C side keeps the tensors' addresses.
+
+Layout (HF's, with q/k/v and gate/up fused into one matrix each):
+
+    embed        [vocab, hidden]
+    per layer:   qkv [q + 2 kv, hidden] (+ bias)   o [hidden, q] (+ bias)
+                 gate_up [2 inter, hidden]         down [hidden, inter]
+                 input_norm, post_attention_norm [hidden]
+    final_norm   [hidden]
+    lm_head      [vocab, hidden] (the embedding itself when tied)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+# A oneDNN-prepacked float32 matmul (``models.linear.PackedLinear``): x [n, in] -> [n, out].
+PackedMatmul = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(slots=True, frozen=True)
+class PackedLayer:
+    """oneDNN-prepacked float32 copies of one layer's four matmuls (steps of many rows
+    multiply with these; see ``models/linear.py``)."""
+
+    qkv: PackedMatmul
+    o: PackedMatmul
+    gate_up: PackedMatmul
+    down: PackedMatmul
+
+
+@dataclass(slots=True, frozen=True)
+class LayerWeights:
+    """One decoder layer's tensors, in the model dtype."""
+
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    packed: PackedLayer | None = None  # where the model prepacked its matmuls
+
+    @property
+    def matmuls(self) -> tuple[torch.Tensor, ...]:
+        return (self.qkv, self.o, self.gate_up, self.down)
+
+
+@dataclass(slots=True, frozen=True)
+class DecoderWeights:
+    """Every tensor of a decoder and the shapes that go with them."""
+
+    layers: tuple[LayerWeights, ...]
+    embed: torch.Tensor
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    lm_head_packed: PackedMatmul | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def norms(self) -> list[torch.Tensor]:
+        """Every RMSNorm weight in the order a forward pass applies them: layer 0's input
+        norm, … , the last layer's input norm, then the final norm (post-attention norms
+        are per layer: ``LayerWeights.post_attention_norm``)."""
+        return [layer.input_norm for layer in self.layers] + [self.final_norm]

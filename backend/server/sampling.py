@@ -1,0 +1,39 @@
+"""A validated generation request (``protocol.contract``) as the engine's SamplingParams."""
+
+from __future__ import annotations
+
+from backend.engine.sampling import SamplingParams
+from protocol.contract import Request
+
+
+def sampling_params(req: Request, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+    """Engine parameters; the engine raises its InvalidRequestError for bad values.
+
+    ``req`` has passed the field policy against what the engine serves, so every field that
+    could change the answer is one translated here.
+    """
+    if req.max_completion_tokens is not None:
+        max_tokens = req.max_completion_tokens
+    elif req.max_tokens is not None:
+        max_tokens = req.max_tokens
+    else:
+        # Absent: as much as the context leaves (at least 1, so that an over-long prompt
+        # is reported as such rather than as a bad max_tokens).
+        max_tokens = max(1, max_model_len - num_prompt_tokens)
+    stop: tuple[str, ...]
+    if req.stop is None:
+        stop = ()
+    elif isinstance(req.stop, str):
+        stop = (req.stop,) if req.stop else ()
+    else:
+        stop = tuple(s for s in req.stop if s)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k is None else req.top_k,
+        seed=req.seed,
+        stop=stop,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=bool(req.ignore_eos),
+    )

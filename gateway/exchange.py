@@ -1,0 +1,254 @@
+"""One generation request, stage by stage; each stage owns its resource:
+
+    resolve    body → ``Prepared`` (frozen)                                 resolve.py
+    route      the first pool member (its breaker's pass)                   failover.py
+    reserve    ``async with admission.reserve(...)``: the worst case held    admission.py
+               in the tenant's budgets, settled at the actual cost on exit
+    queue      ``async with queue.slot(...)``: a capacity slot on the        queue.py
+               member, given back on exit (a retry trades it for another)
+    call       failover over the pool, the answer relayed                   failover.py, relay.py
+    → ``Ended``: what the usage ledger, the metrics and the trace read (observe.py)
+
+Any ``GatewayError`` is answered here: a response, or an error event once a stream began.
+A client that stalls or leaves ends the request as cancelled; the stages' exits release
+everything however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from protocol.sse import error_event
+from telemetry import priority_class
+
+from .admission import Ticket
+from .client_io import ClientStalled, Reply, send_error
+from .contract import Kind, parse
+from .errors import GatewayError, GatewayTimeout, InternalError
+from .failover import Failover
+from .metrics import RequestTimes
+from .outcome import Ended, classify
+from .pool import Member
+from .queue import DispatchQueue, Slot, SlotRequest
+from .relay import Relay
+from .resolve import Prepared, Target
+from .service import Gateway
+from .tenants import Tenant
+from .tracing import QUEUE, RESERVE, SETTLE, NoTrace, reject_reason
+from .usage import Settlement
+
+log = logging.getLogger("sluice.gateway.relay")
+T = TypeVar("T")
+
+
+class Exchange:
+    """Runs one request's stages; ``ended`` is set once it has ended, however it ended."""
+
+    def __init__(self, gw: Gateway, kind: Kind, tenant: Tenant, reply: Reply,
+                 times: RequestTimes) -> None:
+        self.gw = gw
+        self.kind = kind
+        self.tenant = tenant
+        self.reply = reply
+        self.trace: NoTrace = reply.trace
+        self.times = times
+        self.attempt_id = uuid.uuid4().hex
+        self.ended: Ended | None = None
+        # the stages' results, for ``ended``
+        self._prepared: Prepared | None = None
+        self._reserved = False
+        self._queued_s: float | None = None
+        self._relay: Relay | None = None
+
+    async def run(self, body: dict[str, Any], header_deadline_ms: int | None) -> None:
+        cancelled = False
+        try:
+            p = self._prepared = await self._prepare(body, header_deadline_ms)
+            if p is not None:
+                await self._serve(p)
+        except ClientStalled:
+            cancelled = True
+            self.gw.metrics.client_stalls += 1
+            log.info("request %s: the client read nothing for %.1f s; cancelled",
+                     self.reply.request_id, self.gw.config.timeouts.client_stall_s)
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
+        except Exception as exc:  # a bug: logged, answered 500 in OpenAI's shape
+            log.exception("unhandled error (request id %s)", self.reply.request_id,
+                          exc_info=exc)
+            await self._internal_error(exc)
+        finally:
+            self.ended = self._conclude(cancelled)
+
+    def _conclude(self, cancelled: bool) -> Ended:
+        """The request's ``Ended`` record; settles the usage ledger when it held a
+        reservation (exactly once, by the attempt's id)."""
+        relay = self._relay.result() if self._relay is not None else None
+        reply = self.reply
+        outcome = classify(reply.status, reply.error, cancelled=cancelled,
+                           accepted=relay is not None and relay.accepted,
+                           done=relay is not None and relay.done,
+                           upstream_failed=relay is not None and relay.upstream_failed)
+        ended = Ended(outcome, self.attempt_id, self._prepared, self._reserved, self._queued_s,
+                      relay)
+        p = self._prepared
+        if ended.reserved and p is not None:
+            prompt, completion, exact = ended.tokens()
+            self.gw.ledger.settle(Settlement(
+                request_id=self.attempt_id, tenant=self.tenant.id, model=p.upstream.name,
+                prompt_tokens=prompt, completion_tokens=completion, outcome=outcome.value,
+                exact=exact))
+        return ended
+
+    async def _internal_error(self, exc: Exception) -> None:
+        if not self.reply.started:
+            with contextlib.suppress(ClientStalled):
+                await send_error(self.reply, InternalError(
+                    f"internal error ({type(exc).__name__}); request id "
+                    f"{self.reply.request_id}"), None)
+
+    async def _prepare(self, body: dict[str, Any], deadline_ms: int | None) -> Prepared | None:
+        """The resolve stage; answers its error (stamped once the target is known)."""
+        resolver, trace = self.gw.resolver, self.trace
+        target: Target | None = None
+        try:
+            req = parse(self.kind, body)
+            target = await resolver.target(req, self.tenant)
+            p = await resolver.prepare(self.kind, req, body, target, self.tenant,
+                                       self.reply.request_id, deadline_ms)
+        except GatewayError as err:
+            stamp = target.stamp if target is not None else None
+            if stamp is not None:
+                trace.stamp(stamp)
+            await send_error(self.reply, err, stamp)
+            return None
+        if trace.recording:
+            trace.set(priority=p.priority, model=p.upstream.name + (f"@{p.pin}" if p.pin else ""),
+                      max_tokens=p.max_tokens, temperature=p.body.get("temperature"),
+                      top_p=p.body.get("top_p"), stream=p.stream, worst_case=p.worst_case)
+            trace.stamp(p.stamp)
+            if p.degraded:
+                trace.set(**{"sluice.degraded": p.degraded})
+        return p
+
+    async def _serve(self, p: Prepared) -> None:
+        """Route, reserve, queue, call; every ``GatewayError`` is answered here."""
+        gw = self.gw
+        failover = Failover(p.upstream.name, p.upstream.router, gw.retry_budget, gw.metrics,
+                            self.trace, p.worst_case, p.prefix_key)
+        try:
+            first = failover.first()
+            await self._admit_and_call(p, failover, gw.queues[first.member.key])
+        except GatewayError as err:
+            if self.reply.started:
+                self.reply.failed(err)
+                await self.reply.send({"type": "http.response.body", "body": error_event(err),
+                                       "more_body": False})
+            else:
+                stamp = self._relay.stamp if self._relay is not None else p.stamp
+                await send_error(self.reply, err, stamp)
+        finally:
+            failover.close()
+
+    async def _admit_and_call(self, p: Prepared, failover: Failover,
+                              queue: DispatchQueue) -> None:
+        gw, tenant = self.gw, self.tenant
+        req = SlotRequest(self.attempt_id, tenant.id, tenant.weight, p.priority, p.worst_case,
+                          p.deadline, tenant.max_queued, tenant.fail_mode == "open")
+        # With nobody waiting, ask the capacity gate for a slot while the quota store
+        # reserves: one round trip before dispatch instead of two. Given back if unused.
+        async with queue.early(req) as early, self._reserve(p) as ticket, \
+                self._queue(queue, req, early) as slot, contextlib.AsyncExitStack() as later:
+            held = [slot]
+
+            async def move(member: Member) -> None:
+                """A retry: the slot on the failed member for one on ``member``."""
+                held[-1].release()
+                held.append(await later.enter_async_context(gw.queues[member.key].slot(req)))
+
+            relay = self._relay = Relay(
+                p, self.reply, self.times,
+                [(b"x-sluice-queue-ms", str(int(slot.waited_s * 1000)).encode()),
+                 *ticket.decision.rate.as_headers()],
+                gw.refresh, gw.metrics.itl.child(tenant.id, p.upstream.name,
+                                                 priority_class(p.priority)))
+            try:
+                async with asyncio.timeout_at(p.deadline):
+                    await failover.run(relay.call, lambda: self.reply.started, move)
+            except TimeoutError:
+                raise self._deadline_error(p) from None
+
+    @contextlib.asynccontextmanager
+    async def _reserve(self, p: Prepared) -> AsyncIterator[Ticket]:
+        """The reservation, traced: its grant, then its settlement at the actual cost."""
+        trace = self.trace
+        reservation = self.gw.admission.reserve(self.tenant, self.attempt_id, p.worst_case,
+                                                lambda: sum(self._tokens(p)[:2]))
+        async with _phase(trace, RESERVE, {"sluice.reserved_tokens": p.worst_case},
+                          reservation, lambda t: {"sluice.granted": True,
+                                                  "sluice.fail_open": t.local},
+                          {"sluice.granted": False}) as ticket:
+            self._reserved = True
+            try:
+                yield ticket
+            finally:
+                prompt, completion, _ = self._tokens(p)
+                trace.end(trace.start(SETTLE), **{"gen_ai.usage.input_tokens": prompt,
+                                                  "gen_ai.usage.output_tokens": completion})
+
+    @contextlib.asynccontextmanager
+    async def _queue(self, queue: DispatchQueue, req: SlotRequest,
+                     early: Any) -> AsyncIterator[Slot]:
+        """The capacity slot, traced while it is waited for."""
+        def granted(slot: Slot) -> dict[str, Any]:
+            ms = int(slot.waited_s * 1000)
+            self._queued_s = slot.waited_s
+            self.trace.set(queue_ms=ms)
+            return {"sluice.queue_ms": ms}
+
+        async with _phase(self.trace, QUEUE, {"sluice.queue.length": queue.size},
+                          queue.slot(req, early), granted, {}) as slot:
+            yield slot
+
+    def _tokens(self, p: Prepared) -> tuple[int, int, bool]:
+        """What the request consumed so far: (prompt, completion, exact)."""
+        if self._relay is None:
+            return 0, 0, True
+        return self._relay.result().tokens(p)
+
+    def _deadline_error(self, p: Prepared) -> GatewayTimeout:
+        if p.total_timeout:
+            return GatewayTimeout(f"the answer took longer than the gateway's total timeout "
+                                  f"({self.gw.config.timeouts.total_s} s)", code="total_timeout")
+        return GatewayTimeout("the request's deadline passed before the model finished",
+                              code="deadline_exceeded")
+
+
+@contextlib.asynccontextmanager
+async def _phase(trace: NoTrace, name: str, attrs: dict[str, Any],
+                 cm: contextlib.AbstractAsyncContextManager[T],
+                 ok: Callable[[T], dict[str, Any]],
+                 refused: dict[str, Any]) -> AsyncIterator[T]:
+    """Enter ``cm`` as one traced phase: the span covers the entry only (the wait), and
+    names the error when the entry is refused."""
+    span = trace.start(name, attrs)
+    entered = False
+    try:
+        async with cm as value:
+            entered = True
+            trace.end(span, **ok(value))
+            yield value
+    except GatewayError as err:
+        if not entered:
+            trace.end(span, **refused, **{"error.type": reject_reason(err)})
+        raise
+    except BaseException:
+        if not entered:
+            trace.end(span, **refused)
+        raise

@@ -1,0 +1,277 @@
+"""The first stage of a generation request: from an authenticated body to a ``Prepared``.
+
+    parse      the body against the contract (400 naming the field)
+    target     model resolved (404 when unknown or not allowed), the tenant's fallback model
+               under load, the versions it is served at snapshotted into the answer's stamp
+               (``protocol.versions.ResolvedVersions``)
+    prepare    pin checked (400 revision_mismatch), features checked against what the
+               upstream implements, priority within the tenant's range (403), prompt tokens
+               counted and capped (413 / 400 context_length_exceeded), max_tokens capped or
+               clamped, degradation applied, the deadline fixed, and the exact body the
+               upstream will get
+
+A ``Prepared`` is frozen: later stages read it, none changes it. Errors raised by
+``prepare`` are answered with the target's stamp (the client learns what it would have got).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from policies.degrade import decide
+from protocol.versions import ResolvedVersions, ServedVersions
+
+from .config import GatewayConfig
+from .contract import ChatRequest, CompletionRequest, Kind, check_capabilities
+from .errors import (
+    BadRequest,
+    ModelNotFound,
+    PayloadTooLarge,
+    PermissionDenied,
+    RevisionMismatch,
+    ServiceUnavailable,
+)
+from .tenants import Tenant
+from .upstream import Upstream, UpstreamError
+
+UNREACHABLE_RETRY_AFTER_S = 1.0
+
+Request = ChatRequest | CompletionRequest
+
+
+@dataclass(slots=True, frozen=True)
+class Target:
+    """The upstream a request goes to and the versions it will be answered with."""
+
+    upstream: Upstream
+    stamp: ResolvedVersions
+    pin: str | None  # the revision the client pinned, if any
+    fallback: str | None  # x-sluice-degraded when the tenant's fallback model was chosen
+
+
+@dataclass(slots=True, frozen=True)
+class Prepared:
+    kind: Kind
+    request_id: str
+    tenant: Tenant
+    upstream: Upstream
+    stamp: ResolvedVersions
+    stream: bool
+    client_usage: bool  # the client asked for the usage chunk
+    client_continuous: bool  # … and for running usage on every chunk
+    priority: int
+    prompt_tokens: int  # exact, or the documented upper bound for a byte-counted model
+    prompt_exact: bool
+    max_tokens: int | None  # the limit the upstream gets (None: the upstream's default)
+    body: Mapping[str, Any]  # what the upstream gets
+    worst_case: int  # prompt + the most tokens it may generate: what admission reserves
+    pin: str | None = None
+    clamped: str | None = None  # x-sluice-clamped value
+    deadline: float | None = None  # monotonic time the client gives up at
+    total_timeout: bool = False  # the deadline is the gateway's timeouts.total_s
+    degraded: str | None = None  # x-sluice-degraded: the degradation applied, if any
+    prefix_key: bytes | None = None  # what prefix-affine routing hashes
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.kind == "chat" else "/v1/completions"
+
+
+def cache_salt(tenant: Tenant) -> str:
+    """Separates tenants' prefix caches in the engine (no cross-tenant timing channel)."""
+    return hashlib.sha256(b"sluice/cache-salt/v1\0" + tenant.id.encode()).hexdigest()[:32]
+
+
+class Resolver:
+    """Model resolution and request preparation; ``refresh`` re-reads an upstream's
+    versions (shared by concurrent callers), ``load`` is an upstream's load for the
+    degradation rules."""
+
+    def __init__(self, config: GatewayConfig, upstreams: Mapping[str, Upstream],
+                 refresh: Callable[[Upstream], Awaitable[None]],
+                 load: Callable[[Upstream], float],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.upstreams = upstreams
+        self.refresh = refresh
+        self.load = load
+        self.clock = clock
+
+    # ---- target -------------------------------------------------------------------------
+    async def target(self, req: Request, tenant: Tenant) -> Target:
+        up, pin = self.resolve_model(tenant, req.model)
+        up, fallback = self._fallback(tenant, req.priority, up, pin)
+        versions = await self.versions_of(up)
+        return Target(up, ResolvedVersions(up.name, versions, tenant.policy_version), pin, fallback)
+
+    def resolve_model(self, tenant: Tenant, model: str) -> tuple[Upstream, str | None]:
+        name, sep, pin = model.partition("@")
+        if sep and not pin:
+            raise BadRequest("a version pin is 'name@revision'; the revision is empty", "model",
+                             code="invalid_value")
+        up = self.upstreams.get(name)
+        if up is None or not tenant.may_use(name):
+            # Unknown and not-allowed look the same from outside: 404, naming what is allowed.
+            allowed = sorted(n for n in self.upstreams if tenant.may_use(n))
+            raise ModelNotFound(f"the model {name!r} does not exist or you do not have access "
+                                f"to it; your models: {allowed}", "model")
+        return up, (pin if sep else None)
+
+    async def versions_of(self, up: Upstream) -> ServedVersions:
+        if up.versions is None:
+            try:
+                await self.refresh(up)
+            except UpstreamError as exc:
+                raise ServiceUnavailable(f"the model {up.name!r} is not reachable right now",
+                                         retry_after_s=UNREACHABLE_RETRY_AFTER_S) from exc
+        if up.versions is None:
+            raise ServiceUnavailable(f"the model {up.name!r} reports no versions yet",
+                                     retry_after_s=UNREACHABLE_RETRY_AFTER_S)
+        return up.versions
+
+    def _fallback(self, tenant: Tenant, asked: int | None, up: Upstream,
+                  pin: str | None) -> tuple[Upstream, str | None]:
+        """The tenant's fallback model instead of ``up`` when ``up`` is overloaded."""
+        rules = tenant.degrade
+        if rules is None or rules.fallback_model is None or rules.fallback_model == up.name:
+            return up, None
+        fb = self.upstreams.get(rules.fallback_model)
+        if fb is None or not tenant.may_use(fb.name):
+            return up, None
+        priority = tenant.priority.default if asked is None else asked
+        d = decide(rules, priority, self.load(up), None, pinned=pin is not None)
+        if d is None or d.action != "fallback":
+            return up, None
+        return fb, d.describe(model=up.name)
+
+    # ---- prepare ------------------------------------------------------------------------
+    async def prepare(self, kind: Kind, req: Request, body: Mapping[str, Any], target: Target,
+                      tenant: Tenant, request_id: str,
+                      header_deadline_ms: int | None) -> Prepared:
+        up, stamp, pin = target.upstream, target.stamp, target.pin
+        versions = stamp.versions
+        if pin is not None and not versions.revision_matches(pin):
+            raise RevisionMismatch(f"the model {up.name!r} is served at revision "
+                                   f"{versions.revision[:12]!r}, not {pin!r}")
+        check_capabilities(req, up.name, up.capabilities)
+
+        pr = tenant.priority
+        priority = pr.default if req.priority is None else req.priority
+        if not pr.min <= priority <= pr.max:
+            raise PermissionDenied(f"priority {priority} is outside your range "
+                                   f"[{pr.min}, {pr.max}] (lower is more urgent)", "priority")
+
+        payload: Any = req.messages if isinstance(req, ChatRequest) else req.prompt
+        tools = req.tools if isinstance(req, ChatRequest) else None
+        prompt_tokens = await up.counter.count(kind, payload, tools)
+        self._check_prompt(kind, up, tenant, prompt_tokens)
+
+        out = dict(body)
+        out["model"] = up.served_name
+        out.pop("deadline_ms", None)
+        out.pop("priority", None)
+        if "priority" in up.capabilities:
+            out["priority"] = priority
+        if "cache_salt" in up.capabilities:
+            out["cache_salt"] = cache_salt(tenant)
+        max_tokens, clamped = _limit_tokens(req, out, tenant)
+        degraded = target.fallback
+        if degraded is None and tenant.degrade is not None:
+            max_tokens, degraded = self._degrade(tenant, priority, up, max_tokens, out)
+        stream = bool(req.stream)
+        opts = req.stream_options
+        if stream:
+            # Always ask for usage so the gateway knows exact counts; running counts too where
+            # the upstream can, so a cancelled stream still settles exactly.
+            wanted: dict[str, Any] = {"include_usage": True}
+            if "continuous_usage_stats" in up.capabilities:
+                wanted["continuous_usage_stats"] = True
+            out["stream_options"] = wanted
+        if max_tokens is not None:
+            generated = max_tokens
+        elif up.max_model_len is not None and up.counter.exact:
+            generated = max(1, up.max_model_len - prompt_tokens)
+        else:
+            generated = self.config.admission.default_max_tokens
+        deadline_ms = req.deadline_ms if req.deadline_ms is not None else header_deadline_ms
+        deadline, total_timeout = self._deadline(deadline_ms)
+        return Prepared(
+            kind=kind, request_id=request_id, tenant=tenant, upstream=up, stamp=stamp,
+            stream=stream, client_usage=bool(opts and opts.include_usage),
+            client_continuous=bool(opts and opts.continuous_usage_stats), priority=priority,
+            prompt_tokens=prompt_tokens, prompt_exact=up.counter.exact, max_tokens=max_tokens,
+            body=out, worst_case=prompt_tokens + generated, pin=pin, clamped=clamped,
+            deadline=deadline, total_timeout=total_timeout, degraded=degraded,
+            prefix_key=up.router.prefix_key(tenant.id, payload))
+
+    def _check_prompt(self, kind: Kind, up: Upstream, tenant: Tenant, prompt_tokens: int) -> None:
+        field_name = "messages" if kind == "chat" else "prompt"
+        cap = tenant.caps.max_prompt_tokens
+        if cap is not None and prompt_tokens > cap:
+            how = "" if up.counter.exact else " (an upper bound: this model's tokens are " \
+                                              "estimated from UTF-8 bytes)"
+            raise PayloadTooLarge(f"the prompt has {prompt_tokens} tokens{how}; your limit is "
+                                  f"{cap}", field_name, code="prompt_too_long")
+        if up.max_model_len is not None and up.counter.exact \
+                and prompt_tokens >= up.max_model_len:
+            raise BadRequest(f"this model's maximum context length is {up.max_model_len} "
+                             f"tokens; the prompt has {prompt_tokens}", field_name,
+                             code="context_length_exceeded")
+
+    def _degrade(self, tenant: Tenant, priority: int, up: Upstream, max_tokens: int | None,
+                 out: dict[str, Any]) -> tuple[int | None, str | None]:
+        """Shed (raises 503) or clamp a batch request under load; (max_tokens, note)."""
+        if tenant.degrade is None:
+            return max_tokens, None
+        rules = replace(tenant.degrade, fallback_model=None)
+        d = decide(rules, priority, self.load(up), max_tokens)
+        if d is None:
+            return max_tokens, None
+        if d.action == "shed":
+            err = ServiceUnavailable(f"the model {up.name!r} is overloaded ({d.load:.0%} of "
+                                     f"its capacity): batch requests are shed first",
+                                     retry_after_s=1.0, code="degraded_shed")
+            err.extra_headers.append((b"x-sluice-degraded", d.describe().encode()))
+            raise err
+        field_name = "max_completion_tokens" if "max_completion_tokens" in out \
+            else "max_tokens"
+        out[field_name] = d.max_tokens
+        return d.max_tokens, d.describe(asked=max_tokens)
+
+    def _deadline(self, deadline_ms: int | None) -> tuple[float | None, bool]:
+        """The client's deadline, or ``timeouts.total_s`` from now if that is sooner;
+        (monotonic deadline, whether it is the gateway's total timeout)."""
+        now = self.clock()
+        total = self.config.timeouts.total_s
+        client = None if deadline_ms is None else now + deadline_ms / 1000
+        if total is not None and (client is None or now + total < client):
+            return now + total, True
+        return client, False
+
+
+def _limit_tokens(req: Request, out: dict[str, Any],
+                  tenant: Tenant) -> tuple[int | None, str | None]:
+    """Apply the tenant's max_tokens cap to ``out``; returns (limit, clamp note)."""
+    field_name = "max_completion_tokens" if req.max_completion_tokens is not None \
+        else "max_tokens"
+    asked = req.max_completion_tokens if req.max_completion_tokens is not None \
+        else req.max_tokens
+    cap = tenant.caps.max_tokens
+    if cap is None:
+        return asked, None
+    if asked is None:
+        # Absent means "as much as the context allows" upstream: the cap applies, and the
+        # client is told, since the body now says something it did not.
+        out["max_tokens"] = cap
+        return cap, f"max_tokens={cap}; requested=unset"
+    if asked <= cap:
+        return asked, None
+    if tenant.caps.on_exceed == "reject":
+        raise BadRequest(f"{field_name}={asked} is over your limit of {cap}", field_name,
+                         code="max_tokens_over_limit")
+    out[field_name] = cap
+    return cap, f"{field_name}={cap}; requested={asked}"

@@ -1,0 +1,183 @@
+"""The failover stage alone: routing, judging each member once, and the retry rules, over
+narrow callables (no relay, no server)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.errors import BadRequest, GatewayTimeout, InternalError, ServiceUnavailable
+from gateway.failover import Attempt, CircuitOpen, Failover
+from gateway.outcome import Outcome, classify
+from gateway.pool import Member
+from gateway.tracing import NO_TRACE
+from gateway.upstream import Fault
+from policies.retry_budget import RetryBudget, RetryPolicy
+from tests.gateway.stage_kit import config, gateway
+
+
+class Counts:
+    def __init__(self) -> None:
+        self.retries: list[tuple[str, str]] = []
+        self.failures: list[tuple[str, str]] = []
+
+    def count_retry(self, model: str, outcome: str) -> None:
+        self.retries.append((model, outcome))
+
+    def count_failure(self, member: Member, reason: str) -> None:
+        self.failures.append((member.url, reason))
+
+
+def failover(urls: tuple[str, ...] = ("http://a", "http://b"), *, max_attempts: int = 2,
+             budget_min_per_s: float = 10.0) -> tuple[Failover, Counts, list[Member]]:
+    gw = gateway(config(*urls), {})
+    up = gw.upstreams["m"]
+    counts = Counts()
+    budget = RetryBudget(RetryPolicy(max_attempts, 0.1, budget_min_per_s, backoff_base_s=0.0,
+                                     backoff_max_s=0.0))
+    return Failover("m", up.router, budget, counts, NO_TRACE, 100), counts, up.members
+
+
+def unwell(url: str) -> Fault:
+    return Fault("http_500", ServiceUnavailable(f"{url} failed"))
+
+
+async def test_a_server_fault_is_retried_on_another_member_and_the_slot_moves() -> None:
+    fo, counts, members = failover()
+    first = fo.first()
+    called: list[str] = []
+    moved: list[str] = []
+
+    async def call(attempt: Attempt) -> str:
+        called.append(attempt.member.url)
+        if attempt.number == 1:
+            raise unwell(attempt.member.url)
+        attempt.status = 200
+        return "answered"
+
+    async def move(member: Member) -> None:
+        moved.append(member.url)
+
+    assert await fo.run(call, lambda: False, move) == "answered"
+    other = next(m for m in members if m is not first.member)
+    assert called == [first.member.url, other.url] and moved == [other.url]
+    assert counts.failures == [(first.member.url, "http_500")]
+    assert counts.retries == [("m", "retried")]
+    # each member judged once: the failure on the first, the success on the second
+    assert first.member.breaker.state == "closed"
+    assert all(m.inflight_requests == 0 and m.inflight_tokens == 0 for m in members)
+
+
+async def test_no_retry_once_the_client_has_bytes() -> None:
+    fo, counts, _ = failover()
+    fo.first()
+
+    async def call(attempt: Attempt) -> None:
+        raise unwell(attempt.member.url)
+
+    async def move(member: Member) -> None:
+        raise AssertionError("must not move")
+
+    with pytest.raises(ServiceUnavailable):
+        await fo.run(call, lambda: True, move)
+    assert counts.retries == []  # not a retry decision: the answer had begun
+
+
+async def test_a_refusal_is_not_retried_and_says_nothing_of_the_server() -> None:
+    fo, counts, _ = failover()
+    first = fo.first()
+
+    async def call(attempt: Attempt) -> None:
+        raise BadRequest("no", "model")
+
+    async def move(member: Member) -> None:
+        raise AssertionError("must not move")
+
+    with pytest.raises(BadRequest):
+        await fo.run(call, lambda: False, move)
+    assert counts.failures == [] and counts.retries == []
+    assert first.recorded and first.member.inflight_requests == 0
+
+
+async def test_attempts_exhausted_returns_the_last_error_to_the_client() -> None:
+    fo, counts, _ = failover(max_attempts=1)
+    fo.first()
+
+    async def call(attempt: Attempt) -> None:
+        raise unwell(attempt.member.url)
+
+    async def move(member: Member) -> None:
+        raise AssertionError("must not move")
+
+    with pytest.raises(ServiceUnavailable):
+        await fo.run(call, lambda: False, move)
+    assert counts.retries == [("m", "attempts_exhausted")]
+
+
+async def test_a_lone_member_has_no_other_to_try() -> None:
+    fo, counts, _ = failover(("http://a",))
+    fo.first()
+
+    async def call(attempt: Attempt) -> None:
+        raise unwell(attempt.member.url)
+
+    async def move(member: Member) -> None:
+        raise AssertionError("must not move")
+
+    with pytest.raises(ServiceUnavailable):
+        await fo.run(call, lambda: False, move)
+    assert counts.retries == [("m", "no_other_upstream")]
+
+
+async def test_every_breaker_open_is_a_503_with_retry_after() -> None:
+    fo, counts, members = failover(("http://a",))
+    breaker = members[0].breaker
+    while (granted := breaker.try_pass()) is not None:  # fail until it opens
+        breaker.record(granted, "failure")
+    assert breaker.state == "open"
+    with pytest.raises(CircuitOpen) as caught:
+        fo.first()
+    assert caught.value.retry_after_s is not None and caught.value.retry_after_s > 0
+    assert counts.retries == [("m", "all_open")]
+
+
+async def test_a_cancelled_attempt_is_judged_neutral_and_frees_its_load() -> None:
+    fo, _, members = failover(("http://a",))
+    first = fo.first()
+    started = asyncio.Event()
+
+    async def call(attempt: Attempt) -> None:
+        started.set()
+        await asyncio.sleep(3600)
+
+    async def move(member: Member) -> None:
+        raise AssertionError("must not move")
+
+    task = asyncio.ensure_future(fo.run(call, lambda: False, move))
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    fo.close()
+    assert first.recorded and members[0].inflight_requests == 0
+    assert members[0].breaker.state == "closed"
+
+
+@pytest.mark.parametrize(("status", "error", "facts", "want"), [
+    (200, None, {"accepted": True, "done": True}, Outcome.SUCCESS),
+    (200, None, {"accepted": True, "done": True, "upstream_failed": True},
+     Outcome.UPSTREAM_ERROR),
+    (200, None, {"accepted": True, "cancelled": True}, Outcome.CANCELLED),
+    (0, None, {}, Outcome.CANCELLED),
+    (429, None, {}, Outcome.REJECTED_429),
+    (503, ServiceUnavailable("x", code="overloaded"), {}, Outcome.REJECTED_503),
+    (503, ServiceUnavailable("x", code="draining"), {}, Outcome.UPSTREAM_ERROR),
+    (504, GatewayTimeout("x", code="deadline_exceeded"), {}, Outcome.DEADLINE),
+    (500, InternalError("x"), {}, Outcome.ERROR),
+    (400, BadRequest("x"), {}, Outcome.INVALID),
+    (200, BadRequest("x"), {"accepted": True}, Outcome.UPSTREAM_ERROR),
+])
+def test_one_outcome_vocabulary(status: int, error: object, facts: dict[str, bool],
+                                want: Outcome) -> None:
+    assert classify(status, error, **facts) is want  # type: ignore[arg-type]

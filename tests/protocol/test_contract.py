@@ -1,0 +1,113 @@
+"""The field policy both servers apply: known fields typed, features served or refused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from protocol.contract import (
+    CAPABILITIES,
+    OPENAI_CAPABILITIES,
+    SLUICE_CAPABILITIES,
+    CompletionRequest,
+    check_capabilities,
+    parse,
+)
+from protocol.errors import BadRequest
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def refusal(kind: str, body: dict[str, Any], caps: frozenset[str]) -> BadRequest:
+    with pytest.raises(BadRequest) as info:
+        check_capabilities(parse(kind, body), "m", caps)  # type: ignore[arg-type]
+    return info.value
+
+
+def test_capability_sets_use_known_names() -> None:
+    assert SLUICE_CAPABILITIES <= CAPABILITIES and OPENAI_CAPABILITIES <= CAPABILITIES
+
+
+@pytest.mark.parametrize(("field", "value", "code"), [
+    ("frobnicate", 1, "unknown_parameter"),
+    ("max_tokens", "10", "invalid_value"),
+    ("max_tokens", 0, "invalid_value"),
+    ("temperature", 2.5, "invalid_value"),
+    ("stream", 1, "invalid_value"),
+    ("cache_salt", 7, "invalid_value"),
+    ("model", "", "invalid_value"),
+])
+def test_bad_fields_are_named(field: str, value: Any, code: str) -> None:
+    with pytest.raises(BadRequest) as info:
+        parse("chat", {"messages": MSGS, field: value})
+    assert (info.value.param, info.value.code) == (field, code)
+
+
+def test_model_is_optional_here_and_the_body_must_be_an_object() -> None:
+    assert parse("chat", {"messages": MSGS}).model is None
+    with pytest.raises(BadRequest) as info:
+        parse("completion", {"model": "m"})
+    assert (info.value.param, info.value.code) == ("prompt", "missing_required_parameter")
+
+
+# What the bundled backend serves and refuses, by the same rule the gateway applies.
+@pytest.mark.parametrize(("body", "param"), [
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # needs stream: true
+    ({"reasoning_effort": "low"}, "reasoning_effort"),
+    ({"min_p": 0.1}, "min_p"),
+    ({"frequency_penalty": -1}, "frequency_penalty"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({"tools": [{"type": "function", "function": {"name": "g"}}]}, "tools"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"n": 3}, "n"),
+    ({"repetition_penalty": 1.1}, "repetition_penalty"),
+    ({"metadata": {"k": "v"}}, "metadata"),
+])
+def test_the_backend_refuses_what_its_engine_does_not_serve(body: dict[str, Any],
+                                                            param: str) -> None:
+    err = refusal("chat", {"messages": MSGS, **body}, SLUICE_CAPABILITIES)
+    assert err.param == param and err.status == 400
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"echo": True}, "echo"), ({"suffix": "s"}, "suffix"), ({"best_of": 2}, "best_of"),
+    ({"logprobs": 1}, "logprobs"),
+])
+def test_completion_features(body: dict[str, Any], param: str) -> None:
+    assert refusal("completion", {"prompt": "x", **body}, SLUICE_CAPABILITIES).param == param
+
+
+def test_what_the_backend_serves_passes() -> None:
+    body = {"messages": MSGS, "seed": 1, "stop": ["x"], "top_k": 5, "stop_token_ids": [1],
+            "ignore_eos": True, "user": "u", "priority": -3, "cache_salt": "s",
+            "deadline_ms": 100, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            # defaults ask for nothing
+            "n": 1, "logprobs": False, "presence_penalty": 0, "tool_choice": "none",
+            "response_format": {"type": "text"}}
+    req = parse("chat", body)
+    check_capabilities(req, "m", SLUICE_CAPABILITIES)
+    assert req.include_usage and req.continuous_usage
+
+
+def test_the_sluice_extensions_are_capabilities() -> None:
+    body = {"messages": MSGS, "priority": 1}
+    assert refusal("chat", body, OPENAI_CAPABILITIES).param == "priority"
+    body = {"messages": MSGS, "cache_salt": "s"}
+    assert refusal("chat", body, OPENAI_CAPABILITIES).param == "cache_salt"
+    check_capabilities(parse("chat", {"messages": MSGS, "deadline_ms": 5}), "m", frozenset())
+
+
+def test_prompts() -> None:
+    req = parse("completion", {"prompt": [1, 2, 3]})
+    assert isinstance(req, CompletionRequest) and req.prompt == [1, 2, 3]
+    for prompt, code in (([], "invalid_value"), (["a", "b"], "unsupported_parameter")):
+        with pytest.raises(BadRequest) as info:
+            parse("completion", {"prompt": prompt})
+        assert (info.value.param, info.value.code) == ("prompt", code)
+    with pytest.raises(BadRequest) as info:
+        parse("chat", {"messages": [{"content": "no role"}]})
+    assert info.value.param == "messages"
