@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 from policies.capacity import CapacityGate, MemoryGate
@@ -31,6 +31,7 @@ from policies.store import Store, StoreError, StoreUnavailable
 from .config import GatewayConfig
 from .errors import GatewayError, ServiceUnavailable
 from .tenants import Tenant
+from .tracing import NO_TRACE, RESERVE, SETTLE, NoTrace, reject_reason
 
 log = logging.getLogger("sluice.gateway.admission")
 
@@ -76,6 +77,57 @@ class AdmissionSnapshot:
     store_errors: int
     store_up: bool
     leases_live: int
+
+
+class Reservation:
+    """One request's reservation, from its grant to its settlement; traced as the
+    ``sluice.admission.reserve`` phase (the grant) and ``sluice.settle``.
+
+    The grant is shielded: a client leaving mid-call must not leave a granted reservation
+    behind, so one that lands after the caller left is settled at zero instead."""
+
+    __slots__ = ("_admission", "_completion", "_prompt", "_request_id", "_tenant",
+                 "_tokens", "_trace", "ticket")
+
+    def __init__(self, admission: Admission, tenant: Tenant, request_id: str, tokens: int,
+                 trace: NoTrace) -> None:
+        self._admission = admission
+        self._tenant = tenant
+        self._request_id = request_id
+        self._tokens = tokens
+        self._trace = trace
+        self._prompt = self._completion = 0
+        self.ticket: Ticket | None = None
+
+    def settle_at(self, prompt_tokens: int, completion_tokens: int) -> None:
+        """What the request used: its settlement, when the block ends."""
+        self._prompt, self._completion = prompt_tokens, completion_tokens
+
+    async def __aenter__(self) -> Ticket:
+        adm, trace = self._admission, self._trace
+        span = trace.start(RESERVE, {"sluice.reserved_tokens": self._tokens})
+        call = asyncio.ensure_future(adm.grant(self._tenant, self._request_id, self._tokens))
+        try:
+            ticket = await asyncio.shield(call)
+        except GatewayError as err:
+            trace.end(span, **{"sluice.granted": False, "error.type": reject_reason(err)})
+            raise
+        except BaseException as exc:
+            trace.end(span, **{"sluice.granted": False})
+            if isinstance(exc, asyncio.CancelledError):
+                call.add_done_callback(adm.undo_grant)
+            raise
+        trace.end(span, **{"sluice.granted": True, "sluice.fail_open": ticket.local})
+        self.ticket = ticket
+        return ticket
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.ticket is None:
+            return
+        trace = self._trace
+        trace.end(trace.start(SETTLE), **{"gen_ai.usage.input_tokens": self._prompt,
+                                          "gen_ai.usage.output_tokens": self._completion})
+        self._admission.settle(self.ticket, self._prompt + self._completion)
 
 
 def build_store(config: GatewayConfig) -> Store:
@@ -148,29 +200,13 @@ class Admission:
             store_up=self.store_up, leases_live=len(self.live))
 
     # ---- reserve --------------------------------------------------------------------------
-    @contextlib.asynccontextmanager
-    async def reserve(self, tenant: Tenant, request_id: str, tokens: int,
-                      used: Callable[[], int]) -> AsyncIterator[Ticket]:
-        """Hold a reservation of ``tokens`` for the block; settle it at ``used()`` tokens
-        when the block ends, however it ends. Raises a 429 / 503 ``GatewayError`` when
-        refused (nothing taken).
-
-        The store call is shielded: a client leaving mid-call must not leave a granted
-        reservation behind, so it is settled at zero instead."""
-        call = asyncio.ensure_future(self.grant(tenant, request_id, tokens))
-        try:
-            ticket = await asyncio.shield(call)
-        except asyncio.CancelledError:
-            def undo(done: asyncio.Future[Ticket]) -> None:
-                if not done.cancelled() and done.exception() is None:
-                    self.settle(done.result(), 0)
-
-            call.add_done_callback(undo)
-            raise
-        try:
-            yield ticket
-        finally:
-            self.settle(ticket, used())
+    def reserve(self, tenant: Tenant, request_id: str, tokens: int,
+                trace: NoTrace = NO_TRACE) -> Reservation:
+        """``async with reservation as ticket``: hold ``tokens`` in the tenant's budgets for
+        the block, settled when it ends at what ``reservation.settle_at`` recorded (nothing
+        recorded: nothing used). Entering raises a 429 / 503 ``GatewayError``
+        when refused (nothing taken)."""
+        return Reservation(self, tenant, request_id, tokens, trace)
 
     async def grant(self, tenant: Tenant, request_id: str, tokens: int) -> Ticket:
         """A granted ticket, or a 429 / 503 ``GatewayError`` (nothing taken); the caller
@@ -208,6 +244,11 @@ class Admission:
         ticket = Ticket(tenant.id, request_id, tokens, store, decision, local)
         self.live[request_id] = ticket
         return ticket
+
+    def undo_grant(self, done: asyncio.Future[Ticket]) -> None:
+        """A grant that landed after its caller left: settle it at zero."""
+        if not done.cancelled() and done.exception() is None:
+            self.settle(done.result(), 0)
 
     def _denial(self, tenant: Tenant, d: Decision, tokens: int) -> GatewayError:
         limit = d.denied_by or "quota"

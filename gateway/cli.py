@@ -97,8 +97,7 @@ def _serve(app: Any, host: str, port: int, log_level: str, access_log: bool,
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             access_log=access_log, loop="auto", http="auto",
-                            # typed int, but uvicorn hands it to asyncio.wait_for
-                            timeout_graceful_shutdown=max(0.1, shutdown_timeout_s),  # type: ignore[arg-type]
+                            timeout_graceful_shutdown=max(0.1, shutdown_timeout_s),  # type: ignore[arg-type]  # typed int, but uvicorn hands it to asyncio.wait_for: a float works
                             lifespan="on", backlog=4096)
     server = Server(config)
     server.run(sockets=None if send_buffer_bytes is None

@@ -20,13 +20,11 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from protocol.sse import error_event
 from telemetry import priority_class
 
-from .admission import Ticket
 from .client_io import ClientStalled, Reply, send_error
 from .contract import Kind, parse
 from .errors import GatewayError, GatewayTimeout, InternalError
@@ -35,15 +33,14 @@ from .metrics import RequestTimes
 from .outcome import Ended, classify
 from .pool import Member
 from .queue import DispatchQueue, Slot, SlotRequest
-from .relay import Relay
+from .relay import Relay, RelayResult
 from .resolve import Prepared, Target
 from .service import Gateway
 from .tenants import Tenant
-from .tracing import QUEUE, RESERVE, SETTLE, NoTrace, reject_reason
+from .tracing import NoTrace
 from .usage import Settlement
 
-log = logging.getLogger("sluice.gateway.relay")
-T = TypeVar("T")
+log = logging.getLogger("sluice.gateway.exchange")
 
 
 class Exchange:
@@ -64,6 +61,7 @@ class Exchange:
         self._reserved = False
         self._queued_s: float | None = None
         self._relay: Relay | None = None
+        self._result: RelayResult | None = None  # built once, when the reservation settles
 
     async def run(self, body: dict[str, Any], header_deadline_ms: int | None) -> None:
         cancelled = False
@@ -89,14 +87,13 @@ class Exchange:
     def _conclude(self, cancelled: bool) -> Ended:
         """The request's ``Ended`` record; settles the usage ledger when it held a
         reservation (exactly once, by the attempt's id)."""
-        relay = self._relay.result() if self._relay is not None else None
+        relay = self._result
         reply = self.reply
         outcome = classify(reply.status, reply.error, cancelled=cancelled,
                            accepted=relay is not None and relay.accepted,
                            done=relay is not None and relay.done,
                            upstream_failed=relay is not None and relay.upstream_failed)
-        ended = Ended(outcome, self.attempt_id, self._prepared, self._reserved, self._queued_s,
-                      relay)
+        ended = Ended(outcome, self._prepared, self._reserved, self._queued_s, relay)
         p = self._prepared
         if ended.reserved and p is not None:
             prompt, completion, exact = ended.tokens()
@@ -141,7 +138,7 @@ class Exchange:
         """Route, reserve, queue, call; every ``GatewayError`` is answered here."""
         gw = self.gw
         failover = Failover(p.upstream.name, p.upstream.router, gw.retry_budget, gw.metrics,
-                            self.trace, p.worst_case, p.prefix_key)
+                            self.trace, p.worst_case, p.prefix_key, p.path)
         try:
             first = failover.first()
             await self._admit_and_call(p, failover, gw.queues[first.member.key])
@@ -158,69 +155,46 @@ class Exchange:
 
     async def _admit_and_call(self, p: Prepared, failover: Failover,
                               queue: DispatchQueue) -> None:
-        gw, tenant = self.gw, self.tenant
+        gw, tenant, trace = self.gw, self.tenant, self.trace
         req = SlotRequest(self.attempt_id, tenant.id, tenant.weight, p.priority, p.worst_case,
                           p.deadline, tenant.max_queued, tenant.fail_mode == "open")
+        reservation = gw.admission.reserve(tenant, self.attempt_id, p.worst_case, trace)
         # With nobody waiting, ask the capacity gate for a slot while the quota store
         # reserves: one round trip before dispatch instead of two. Given back if unused.
-        async with queue.early(req) as early, self._reserve(p) as ticket, \
-                self._queue(queue, req, early) as slot, contextlib.AsyncExitStack() as later:
-            held = [slot]
-
-            async def move(member: Member) -> None:
-                """A retry: the slot on the failed member for one on ``member``."""
-                held[-1].release()
-                held.append(await later.enter_async_context(gw.queues[member.key].slot(req)))
-
-            relay = self._relay = Relay(
-                p, self.reply, self.times,
-                [(b"x-sluice-queue-ms", str(int(slot.waited_s * 1000)).encode()),
-                 *ticket.decision.rate.as_headers()],
-                gw.refresh, gw.metrics.itl.child(tenant.id, p.upstream.name,
-                                                 priority_class(p.priority)))
-            try:
-                async with asyncio.timeout_at(p.deadline):
-                    await failover.run(relay.call, lambda: self.reply.started, move)
-            except TimeoutError:
-                raise self._deadline_error(p) from None
-
-    @contextlib.asynccontextmanager
-    async def _reserve(self, p: Prepared) -> AsyncIterator[Ticket]:
-        """The reservation, traced: its grant, then its settlement at the actual cost."""
-        trace = self.trace
-        reservation = self.gw.admission.reserve(self.tenant, self.attempt_id, p.worst_case,
-                                                lambda: sum(self._tokens(p)[:2]))
-        async with _phase(trace, RESERVE, {"sluice.reserved_tokens": p.worst_case},
-                          reservation, lambda t: {"sluice.granted": True,
-                                                  "sluice.fail_open": t.local},
-                          {"sluice.granted": False}) as ticket:
+        async with queue.early(req) as early, reservation as ticket:
             self._reserved = True
             try:
-                yield ticket
+                async with queue.slot(req, early, trace) as slot:
+                    self._queued_s = slot.waited_s
+                    await self._call(p, failover, req, slot, [
+                        (b"x-sluice-queue-ms", str(int(slot.waited_s * 1000)).encode()),
+                        *ticket.decision.rate.as_headers()])
             finally:
-                prompt, completion, _ = self._tokens(p)
-                trace.end(trace.start(SETTLE), **{"gen_ai.usage.input_tokens": prompt,
-                                                  "gen_ai.usage.output_tokens": completion})
+                result = self._result = self._relay.result() if self._relay else None
+                if result is not None:
+                    reservation.settle_at(*result.tokens(p)[:2])
 
-    @contextlib.asynccontextmanager
-    async def _queue(self, queue: DispatchQueue, req: SlotRequest,
-                     early: Any) -> AsyncIterator[Slot]:
-        """The capacity slot, traced while it is waited for."""
-        def granted(slot: Slot) -> dict[str, Any]:
-            ms = int(slot.waited_s * 1000)
-            self._queued_s = slot.waited_s
-            self.trace.set(queue_ms=ms)
-            return {"sluice.queue_ms": ms}
+    async def _call(self, p: Prepared, failover: Failover, req: SlotRequest, slot: Slot,
+                    headers: list[tuple[bytes, bytes]]) -> None:
+        """Failover over the pool, the answer relayed; a retry holds its own slot."""
+        gw = self.gw
+        relay = self._relay = Relay(p, self.reply, self.times, headers, gw.refresh,
+                                    gw.metrics.itl.child(self.tenant.id, p.upstream.name,
+                                                         priority_class(p.priority)))
+        held = [slot]
 
-        async with _phase(self.trace, QUEUE, {"sluice.queue.length": queue.size},
-                          queue.slot(req, early), granted, {}) as slot:
-            yield slot
+        async def take(member: Member) -> None:
+            held.append(await gw.queues[member.key].take(req))
 
-    def _tokens(self, p: Prepared) -> tuple[int, int, bool]:
-        """What the request consumed so far: (prompt, completion, exact)."""
-        if self._relay is None:
-            return 0, 0, True
-        return self._relay.result().tokens(p)
+        try:
+            async with asyncio.timeout_at(p.deadline):
+                await failover.run(relay.call, lambda: self.reply.started,
+                                   lambda: held[-1].release(), take)
+        except TimeoutError:
+            raise self._deadline_error(p) from None
+        finally:
+            for s in held[1:]:  # the first is the caller's: released on its exit
+                s.release()
 
     def _deadline_error(self, p: Prepared) -> GatewayTimeout:
         if p.total_timeout:
@@ -228,27 +202,3 @@ class Exchange:
                                   f"({self.gw.config.timeouts.total_s} s)", code="total_timeout")
         return GatewayTimeout("the request's deadline passed before the model finished",
                               code="deadline_exceeded")
-
-
-@contextlib.asynccontextmanager
-async def _phase(trace: NoTrace, name: str, attrs: dict[str, Any],
-                 cm: contextlib.AbstractAsyncContextManager[T],
-                 ok: Callable[[T], dict[str, Any]],
-                 refused: dict[str, Any]) -> AsyncIterator[T]:
-    """Enter ``cm`` as one traced phase: the span covers the entry only (the wait), and
-    names the error when the entry is refused."""
-    span = trace.start(name, attrs)
-    entered = False
-    try:
-        async with cm as value:
-            entered = True
-            trace.end(span, **ok(value))
-            yield value
-    except GatewayError as err:
-        if not entered:
-            trace.end(span, **refused, **{"error.type": reject_reason(err)})
-        raise
-    except BaseException:
-        if not entered:
-            trace.end(span, **refused)
-        raise

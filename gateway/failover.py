@@ -8,9 +8,9 @@ failed attempt is retried only when all of these hold:
 * no byte has reached the client yet (a streamed answer is never replayed);
 * another member can take it (breaker closed or probing, no Retry-After pending);
 * the retry budget has a retry to spend (``policies.retry_budget``: ≤ 10 % extra load).
-The retry waits a fully jittered backoff, then trades its capacity slot on the failed member
-for one on the next (the caller's ``move``; its quota reservation stays: the request is
-charged once, at settlement). An upstream's Retry-After keeps its member out of routing
+The retry gives its capacity slot on the failed member back at once (the caller's
+``release``), waits a fully jittered backoff, then takes a slot on the next member (``take``);
+its quota reservation stays: the request is charged once, at settlement. An upstream's Retry-After keeps its member out of routing
 until then.
 
 Every attempt records its outcome on the member's breaker exactly once (``Attempt.done``)
@@ -20,7 +20,8 @@ it failed, ``error.type`` (the fault, e.g. a timeout's kind); the wait before a 
 ``sluice.retry.backoff`` phase.
 
 ``Failover`` knows nothing of the relay: it calls narrow callables (``call`` an attempt,
-``started`` whether the client has bytes, ``move`` the slot), so it is tested alone.
+``started`` whether the client has bytes, ``release`` and ``take`` the capacity slot), so it
+is tested alone.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ class CircuitOpen(ServiceUnavailable):
 @dataclass(slots=True, eq=False)
 class Attempt:
     """One try on one member. ``headers`` (the trace context for the upstream) is set
-    before the call; ``status`` is the upstream's HTTP status, set by the call once the
-    upstream answers."""
+    before the call; ``status`` is the upstream's HTTP status, which the call sets once the
+    upstream answers (the attempt's span reports it)."""
 
     member: Member
     grant: Pass
@@ -87,8 +88,9 @@ class Failover:
 
     def __init__(self, model: str, router: Router, budget: RetryBudget,
                  counter: RetryCounter, trace: NoTrace, tokens: int,
-                 prefix_key: bytes | None = None) -> None:
+                 prefix_key: bytes | None = None, path: str = "/v1/chat/completions") -> None:
         self.model = model
+        self.path = path
         self.router = router
         self.budget = budget
         self.counter = counter
@@ -118,7 +120,7 @@ class Failover:
             self.attempt.done("neutral")
 
     async def run(self, call: Callable[[Attempt], Awaitable[T]], started: Callable[[], bool],
-                  move: Callable[[Member], Awaitable[None]]) -> T:
+                  release: Callable[[], None], take: Callable[[Member], Awaitable[None]]) -> T:
         """Call the first attempt's member, retrying elsewhere while the rules allow."""
         if self.attempt is None:
             raise RuntimeError("Failover.run before Failover.first")
@@ -135,14 +137,16 @@ class Failover:
                 nxt = None if started() else self._next(attempt)
                 if nxt is None:
                     raise fault.err from None
-                await self._move_to(nxt, move, self.budget.backoff(nxt.number - 1))
+                release()  # nothing runs there any more: the slot is free at once
+                await self._move_to(nxt, take, self.budget.backoff(nxt.number - 1))
 
     async def _call(self, attempt: Attempt, call: Callable[[Attempt], Awaitable[T]]) -> T:
         """One attempt, judged on the member's breaker and traced as one phase."""
         member = attempt.member
         trace = self.trace
         span = trace.start(UPSTREAM, {
-            "server.address": self.model, "sluice.upstream.member": member.url,
+            "server.address": self.model, "url.path": self.path,
+            "sluice.upstream.member": member.url,
             "sluice.attempt": attempt.number, "sluice.breaker.state": member.breaker.state,
             "sluice.breaker.probe": attempt.grant.probe}) if trace.recording else None
         attempt.headers = trace.upstream_headers(span)
@@ -190,9 +194,9 @@ class Failover:
         self.counter.count_retry(self.model, "retried")
         return Attempt(member, grant, failed.number + 1, self.tokens)
 
-    async def _move_to(self, nxt: Attempt, move: Callable[[Member], Awaitable[None]],
+    async def _move_to(self, nxt: Attempt, take: Callable[[Member], Awaitable[None]],
                        backoff_s: float) -> None:
-        """Back off, then trade the capacity slot on the failed member for one on ``nxt``."""
+        """Back off, then take a capacity slot on ``nxt``'s member."""
         nxt.begin()
         self.attempt = nxt
         self._tried.add(nxt.member.key)
@@ -203,7 +207,7 @@ class Failover:
                 await asyncio.sleep(backoff_s)
             finally:
                 self.trace.end(span, **{"sluice.backoff_ms": round(backoff_s * 1000, 3)})
-            await move(nxt.member)
+            await take(nxt.member)
         except TimeoutError:
             nxt.done("neutral")
             raise GatewayTimeout("the request's deadline passed while retrying",

@@ -15,6 +15,7 @@ from telemetry.metrics import (
     TOKEN_BUCKETS,
     Family,
     HistogramPoint,
+    Kind,
     Registry,
 )
 
@@ -194,9 +195,9 @@ def _tasks() -> int:
         return 0
 
 
-def _family(name: str, kind: str, help_text: str,
+def _family(name: str, kind: Kind, help_text: str,
             samples: Iterable[tuple[float, dict[str, str]]]) -> Family:
-    fam = Family(name, kind, help_text)  # type: ignore[arg-type]
+    fam = Family(name, kind, help_text)
     for value, labels in samples:
         fam.add(value, **labels)
     return fam

@@ -31,7 +31,6 @@ class Ended:
     """What a generation request leaves for the record, however it ended."""
 
     outcome: Outcome
-    attempt_id: str  # settlement's id (the client's x-request-id may repeat)
     prepared: Prepared | None = None
     reserved: bool = False  # a reservation was granted (and settled)
     queued_s: float | None = None  # time in the gateway's queue, once dispatched

@@ -26,7 +26,7 @@ from policies.degrade import decide
 from protocol.versions import ResolvedVersions, ServedVersions
 
 from .config import GatewayConfig
-from .contract import ChatRequest, CompletionRequest, Kind, check_capabilities
+from .contract import ChatRequest, Kind, Request, check_capabilities
 from .errors import (
     BadRequest,
     ModelNotFound,
@@ -39,8 +39,7 @@ from .tenants import Tenant
 from .upstream import Upstream, UpstreamError
 
 UNREACHABLE_RETRY_AFTER_S = 1.0
-
-Request = ChatRequest | CompletionRequest
+_STAMPS_KEPT = 4096
 
 
 @dataclass(slots=True, frozen=True)
@@ -100,13 +99,25 @@ class Resolver:
         self.refresh = refresh
         self.load = load
         self.clock = clock
+        # one stamp per (model, tenant policy) while the versions stay: it computes its
+        # fingerprint and header once, not per request
+        self._stamps: dict[tuple[str, str], ResolvedVersions] = {}
 
     # ---- target -------------------------------------------------------------------------
     async def target(self, req: Request, tenant: Tenant) -> Target:
         up, pin = self.resolve_model(tenant, req.model)
         up, fallback = self._fallback(tenant, req.priority, up, pin)
         versions = await self.versions_of(up)
-        return Target(up, ResolvedVersions(up.name, versions, tenant.policy_version), pin, fallback)
+        return Target(up, self._stamp(up.name, versions, tenant.policy_version), pin, fallback)
+
+    def _stamp(self, model: str, versions: ServedVersions, policy: str) -> ResolvedVersions:
+        key = (model, policy)
+        stamp = self._stamps.get(key)
+        if stamp is None or stamp.versions is not versions:
+            if len(self._stamps) >= _STAMPS_KEPT:
+                self._stamps.clear()  # policies edited many times: start again
+            stamp = self._stamps[key] = ResolvedVersions(model, versions, policy)
+        return stamp
 
     def resolve_model(self, tenant: Tenant, model: str) -> tuple[Upstream, str | None]:
         name, sep, pin = model.partition("@")

@@ -84,9 +84,9 @@ def pool_load(up: Upstream, queues: Mapping[str, DispatchQueue]) -> float:
     """In-flight plus waiting worst-case tokens ÷ the pool's capacity (this replica's)."""
     used = cap = waiting = 0
     for m in up.members:
-        s = queues[m.key].snapshot()
-        used += s.held_tokens + s.waiting_tokens
-        waiting += s.size
+        queue = queues[m.key]
+        used += queue.load_tokens()
+        waiting += queue.size
         cap += m.limits()[0] or 0
     if cap == 0:
         return 1.0 if waiting else 0.0

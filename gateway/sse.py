@@ -28,6 +28,8 @@ _USAGE_OBJECT = re.compile(rb"\{(?:[^{}]|\{[^{}]*\})*\}")
 # a non-empty "content" (chat delta) or "text" (completion): a chunk that carries tokens
 _TEXT = re.compile(rb'"(?:content|text)"\s*:\s*"(?!")')
 _FINISH = re.compile(rb'"finish_reason"\s*:\s*"([A-Za-z_]{1,32})"')
+# what _learn finds: model pattern and replacement, fingerprint ditto, usage key, no choices
+_Fast = tuple[bytes, bytes, bytes, bytes, bytes, bytes]
 
 
 def _encodings(value: str) -> list[bytes]:
@@ -76,7 +78,7 @@ class ChunkRewriter:
         self.finish_reason: str | None = None  # the first choice's, once the upstream says
         self._last_usage: Any = None  # a dict, or the raw bytes of the fast path
         # (model pattern, its replacement, fp pattern, its replacement, usage key, choices=[])
-        self._fast: tuple[bytes, bytes, bytes, bytes, bytes, bytes] | None = None
+        self._fast: _Fast | None = None
 
     @property
     def usage(self) -> dict[str, Any] | None:
@@ -106,8 +108,9 @@ class ChunkRewriter:
         if data == b"[DONE]":
             self.done = True
             return DONE
-        if self._fast is not None:
-            out = self._rewrite_fast(data)
+        fast = self._fast
+        if fast is not None:
+            out = self._rewrite_fast(data, fast)
             if out is not None:
                 return out or None
         return self._rewrite_json(data)
@@ -170,9 +173,9 @@ class ChunkRewriter:
                       usage_key, b'"choices"' + sep + b"[]")
 
     # ---- the fast path ----------------------------------------------------------------------
-    def _rewrite_fast(self, data: bytes) -> bytes | None:
+    def _rewrite_fast(self, data: bytes, fast: _Fast) -> bytes | None:
         """The rewritten event, b"" to drop it, or None when the json path must decide."""
-        model_pat, model_rep, fp_pat, fp_rep, usage_key, no_choices = self._fast  # type: ignore[misc]
+        model_pat, model_rep, fp_pat, fp_rep, usage_key, no_choices = fast
         if data.count(model_pat) != 1 or data.count(fp_pat) != 1 or b'"error"' in data \
                 or data.count(usage_key) != 1 or data[-1:] != b"}":
             return None

@@ -15,12 +15,12 @@ sequence the engine admits is computed exactly. ``sliding_window`` keeps the raw
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .errors import MissingFileError, ModelLoadError, UnsupportedModelError
+from .jsonfile import read_json_object
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
@@ -85,13 +85,7 @@ class ModelConfig:
         config_path = Path(path) / "config.json"
         if not config_path.is_file():
             raise MissingFileError(f"config.json not found in {path} (looked for {config_path})")
-        try:
-            data = json.loads(config_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"cannot read {config_path}: {exc}") from exc
-        if not isinstance(data, dict):
-            raise ModelLoadError(f"{config_path} is not a JSON object")
-        return cls.from_hf(data)
+        return cls.from_hf(read_json_object(config_path))
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:

@@ -15,7 +15,6 @@ same files, so that prompt token counts and rendered prompts match what users ge
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from .chat_template import (
     plain_copy,
 )
 from .errors import MissingFileError, ModelLoadError, TemplateError
+from .jsonfile import read_json_object
 
 TOKENIZER_FILE = "tokenizer.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -54,14 +54,6 @@ def _token_text(value: Any) -> str | None:
     raise ModelLoadError(f"{TOKENIZER_CONFIG_FILE}: cannot read special token {value!r}")
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read {path.name}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path.name} must hold a JSON object")
-    return data
 
 
 class Tokenizer:
@@ -116,7 +108,7 @@ class Tokenizer:
             raise ModelLoadError(f"cannot parse {TOKENIZER_FILE}: {exc}") from exc
 
         config_path = root / TOKENIZER_CONFIG_FILE
-        config = _read_json(config_path) if config_path.is_file() else {}
+        config = read_json_object(config_path) if config_path.is_file() else {}
         special_tokens = {
             attr: text
             for attr in _SPECIAL_TOKEN_ATTRIBUTES
@@ -250,7 +242,7 @@ class Tokenizer:
 def _generation_eos_ids(path: Path) -> list[int]:
     if not path.is_file():
         return []
-    value = _read_json(path).get("eos_token_id")
+    value = read_json_object(path).get("eos_token_id")
     if value is None:
         return []
     ids = value if isinstance(value, list) else [value]

@@ -19,9 +19,12 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from policies.store import StoreError, ttl_us
+
+if TYPE_CHECKING:  # redis is imported only when a RedisGate is made
+    from redis.commands.core import AsyncScript
 
 US = 1_000_000
 
@@ -149,11 +152,11 @@ class RedisGate:
         tag = "{up:" + upstream.replace("{", "(").replace("}", ")") + "}"
         return [f"{self._prefix}:{tag}:slots", f"{self._prefix}:{tag}:tokens"]
 
-    async def _call(self, script: object, upstream: str, args: list[object]) -> object:
+    async def _call(self, script: AsyncScript, upstream: str, args: list[str | int]) -> object:
         from policies.redis_store import guarded
 
         return await guarded(self._redis, self._deadline_s,
-                             script(keys=self._keys(upstream), args=args))  # type: ignore[operator]
+                             script(keys=self._keys(upstream), args=args))
 
     async def acquire(self, upstream: str, request_id: str, tokens: int,
                       cap_tokens: int | None, cap_seqs: int | None, ttl_s: float) -> bool:

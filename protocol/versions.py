@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import string
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 RESOLVED_HEADER = "x-sluice-resolved"
@@ -71,6 +71,9 @@ class ResolvedVersions:
     model: str
     versions: ServedVersions
     policy: str | None = None
+    # fingerprint() and header_value(), computed once: every answer of a version carries them
+    _memo: tuple[str, str] | None = field(default=None, init=False, repr=False,
+                                          compare=False)
 
     def _fields(self) -> tuple[str | None, ...]:
         v = self.versions
@@ -79,14 +82,25 @@ class ResolvedVersions:
 
     def header_value(self) -> str:
         """The ``x-sluice-resolved`` value, hashes shortened."""
+        return (self._memo or self._remember())[1]
+
+    def fingerprint(self) -> str:
+        """``fp_`` + 12 hex of a sha256 over every field (OpenAI's system_fingerprint shape)."""
+        return (self._memo or self._remember())[0]
+
+    def _remember(self) -> tuple[str, str]:
+        memo = (self._fingerprint(), self._header_value())
+        object.__setattr__(self, "_memo", memo)  # frozen: a cache, not a field of the value
+        return memo
+
+    def _header_value(self) -> str:
         v = self.versions
         value = (f"model={self.model}; revision={short(v.revision)}; "
                  f"tokenizer={short(v.tokenizer)}; chat_template={short(v.chat_template)}; "
                  f"engine={v.engine}")
         return value if self.policy is None else f"{value}; policy={self.policy}"
 
-    def fingerprint(self) -> str:
-        """``fp_`` + 12 hex of a sha256 over every field (OpenAI's system_fingerprint shape)."""
+    def _fingerprint(self) -> str:
         if self.policy is None:
             digest = _digest(_SERVER_DOMAIN, (frame_field(f) for f in self._fields()))
         else:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 from urllib.parse import unquote
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -132,7 +132,7 @@ def _exporter(env: Mapping[str, str], name: str, default: Exporter) -> Exporter:
     first = raw.split(",")[0].strip().lower()
     if first not in ("otlp", "console", "none"):
         raise TelemetryError(f"{name}={raw!r}: supported exporters are otlp, console, none")
-    return first  # type: ignore[return-value]
+    return cast(Exporter, first)  # one of Exporter's values: checked just above
 
 
 def _protocol(env: Mapping[str, str], signal: str, default: Protocol) -> Protocol:
@@ -142,7 +142,7 @@ def _protocol(env: Mapping[str, str], signal: str, default: Protocol) -> Protoco
         return default
     if raw not in ("http/protobuf", "grpc"):
         raise TelemetryError(f"OTLP protocol {raw!r}: supported are http/protobuf and grpc")
-    return raw  # type: ignore[return-value]
+    return cast(Protocol, raw)  # one of Protocol's values: checked just above
 
 
 def _target(env: Mapping[str, str], signal: str, exporter: Exporter, protocol: Protocol,

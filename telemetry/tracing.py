@@ -206,7 +206,7 @@ class Tracer(trace.Tracer):
                    record_exception: bool = True,
                    set_status_on_exception: bool = True) -> trace.Span:
         current: trace.Span | None = (get_current() if context is None
-                                      else context).get(_SPAN_KEY)  # type: ignore[assignment]
+                                      else context).get(_SPAN_KEY)  # type: ignore[assignment]  # Context values are object; this one is a Span (hot path: no cast)
         parent: SpanContext | None = None
         if current is not None:
             parent = current.get_span_context()
@@ -230,7 +230,7 @@ class Tracer(trace.Tracer):
 
 
     @contextmanager
-    def start_as_current_span(self, name: str, context: Context | None = None,  # type: ignore[override]
+    def start_as_current_span(self, name: str, context: Context | None = None,  # type: ignore[override]  # the base returns otel's private subclass of contextlib's manager
                               kind: SpanKind = SpanKind.INTERNAL,
                               attributes: types.Attributes = None,
                               links: trace._Links = None, start_time: int | None = None,

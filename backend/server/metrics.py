@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from backend.engine.outputs import EngineState, OutputDelta
-from telemetry.metrics import CONTENT_TYPE, LATENCY_BUCKETS, TOKEN_BUCKETS, Family, Registry
+from telemetry.metrics import CONTENT_TYPE, LATENCY_BUCKETS, TOKEN_BUCKETS, Family, Kind, Registry
 
 __all__ = ["CONTENT_TYPE", "PREFIX", "ServerMetrics"]
 
@@ -134,8 +134,8 @@ class ServerMetrics:
         s = self._state()
         used = s.kv_blocks_total - s.kv_blocks_free
 
-        def one(name: str, kind: str, help_text: str, value: float) -> Family:
-            return Family(PREFIX + name, kind, help_text).add(value)  # type: ignore[arg-type]
+        def one(name: str, kind: Kind, help_text: str, value: float) -> Family:
+            return Family(PREFIX + name, kind, help_text).add(value)
 
         yield one("kv_blocks_total", "gauge", "KV cache blocks in the pool.", s.kv_blocks_total)
         yield one("kv_blocks_used", "gauge", "KV cache blocks held by live requests.", used)

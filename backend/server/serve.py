@@ -68,8 +68,7 @@ def serve(engine: AsyncEngine, settings: ServerSettings,
         port=settings.port,
         log_level=settings.log_level,
         access_log=settings.access_log,
-        # Typed int, but uvicorn hands it to asyncio.wait_for: a float works.
-        timeout_graceful_shutdown=max(0.1, settings.shutdown_timeout_s),  # type: ignore[arg-type]
+        timeout_graceful_shutdown=max(0.1, settings.shutdown_timeout_s),  # type: ignore[arg-type]  # typed int, but uvicorn hands it to asyncio.wait_for: a float works
         lifespan="on",
     )
     server = _Server(config, app, on_ready)

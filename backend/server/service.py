@@ -14,7 +14,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,9 +68,10 @@ class Prepared:
 
 
 def header(scope: Mapping[str, Any], name: bytes) -> str | None:
-    for key, value in scope["headers"]:
+    headers: Iterable[tuple[bytes, bytes]] = scope["headers"]  # ASGI
+    for key, value in headers:
         if key == name:
-            return value.decode("latin-1")  # type: ignore[no-any-return]
+            return value.decode("latin-1")
     return None
 
 

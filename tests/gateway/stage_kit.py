@@ -5,7 +5,7 @@ what it was sent, and tenants. No server, no socket."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,10 +68,14 @@ class FakePool:
         self.posts: list[tuple[str, bytes, list[tuple[bytes, bytes]]]] = []
         self.responses: list[FakeResponse] = []
         self.active = 0
+        self.probe: Callable[[], Any] | None = None  # called at each post: state to record
+        self.probed: list[Any] = []
 
     async def post(self, path: str, body: bytes,
                    headers: list[tuple[bytes, bytes]]) -> FakeResponse:
         self.posts.append((path, body, headers))
+        if self.probe is not None:
+            self.probed.append(self.probe())
         s = self.answers.pop(0)
         if s.fail is not None:
             raise s.fail
@@ -121,7 +125,17 @@ def gateway(cfg: GatewayConfig, answers: dict[str, list[Scripted]]) -> Gateway:
 
 
 def tenant(**caps: Any) -> Tenant:
+    """Tenant ``one`` with these caps."""
     return Tenant.from_entry(tenants_for_tests(**caps).tenants[0])
+
+
+def quota_tenant(**quotas: Any) -> Tenant:
+    """Tenant ``one`` with these quotas."""
+    from gateway.config import PriorityRange, QuotasConfig, TenantEntry
+
+    return Tenant.from_entry(TenantEntry(id="one", priority=PriorityRange(min=0, max=10,
+                                                                          default=4),
+                                         quotas=QuotasConfig(**quotas)))
 
 
 class Client:
@@ -153,3 +167,29 @@ def reply(client: Client, metrics: GatewayMetrics | None = None,
           trace: NoTrace = NO_TRACE) -> Reply:
     return Reply(client.send, "req-1", "/v1/chat/completions", metrics or GatewayMetrics(),
                  trace)
+
+
+class Spans(NoTrace):
+    """A recording trace for the stage tests: each ended phase as (name, attributes)."""
+
+    recording = True
+
+    def __init__(self) -> None:
+        self.ended: list[tuple[str, dict[str, Any]]] = []
+        self.attrs: dict[str, Any] = {}
+
+    def start(self, name: str, attributes: dict[str, Any] | None = None) -> Any:
+        return (name, dict(attributes or {}))
+
+    def end(self, span: Any, **attributes: Any) -> None:
+        if span is not None:
+            self.ended.append((span[0], {**span[1], **attributes}))
+
+    def set(self, **attributes: Any) -> None:
+        self.attrs.update(attributes)
+
+    def upstream_headers(self, span: Any) -> list[tuple[bytes, bytes]]:
+        return [] if span is None else [(b"traceparent", b"00-test")]
+
+    def named(self, name: str) -> list[dict[str, Any]]:
+        return [attrs for n, attrs in self.ended if n == name]

@@ -109,5 +109,5 @@ def test_the_queue_reserve_reaches_every_upstreams_queue(tmp_path: Path) -> None
     gw = build_gateway(cfg, demo_tenants())
     assert len(gw.queues) == 2
     for q in gw.queues.values():
-        assert (q.reserve_share, q.reserve_priority) == (0.25, 2)
-        assert q.urgent(2) and not q.urgent(3)
+        assert (q.reserve.share, q.reserve.priority) == (0.25, 2)
+        assert q.reserve.urgent(2) and not q.reserve.urgent(3)

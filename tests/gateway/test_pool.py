@@ -107,7 +107,7 @@ def test_a_5xx_is_retried_on_the_other_server_and_opens_its_breaker(
     assert 58 <= int(refused.headers["retry-after"]) <= 60
     assert len(b.bodies) == 6
     gwo = gw.gateway
-    assert not gwo.admission.live and not any(q.held for q in gwo.queues.values())
+    assert not gwo.admission.live and not any(q.snapshot().slots_held for q in gwo.queues.values())
 
 
 def test_a_4xx_is_never_retried(gw: ThreadedGateway,

@@ -11,25 +11,27 @@ from typing import Any
 
 import pytest
 
-from gateway.config import PriorityRange, QuotasConfig, TenantEntry
 from gateway.exchange import Exchange
 from gateway.http_client import ConnectFailed
 from gateway.metrics import RequestTimes
 from gateway.outcome import Outcome
 from gateway.service import Gateway
 from gateway.tenants import Tenant
-from tests.gateway.stage_kit import Client, Scripted, chunk, config, gateway, reply, sse
+from tests.gateway.stage_kit import (
+    Client,
+    Scripted,
+    chunk,
+    config,
+    gateway,
+    reply,
+    sse,
+)
+from tests.gateway.stage_kit import quota_tenant as tenant
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 USAGE = {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
 STREAM = sse(chunk("a"), chunk("b"), chunk(None, finish="stop"), chunk(None, usage=USAGE),
              "[DONE]")
-
-
-def tenant(**quotas: Any) -> Tenant:
-    return Tenant.from_entry(TenantEntry(id="one", priority=PriorityRange(min=0, max=10,
-                                                                          default=4),
-                                         quotas=QuotasConfig(**quotas)))
 
 
 async def run(gw: Gateway, body: dict[str, Any], who: Tenant | None = None
@@ -84,12 +86,19 @@ async def test_a_failed_server_is_retried_on_the_other_and_the_slot_moves() -> N
     answers = [Scripted(fail=ConnectFailed("refused")), Scripted(chunks=[STREAM])]
     gw = gateway(config("http://a", "http://b", capacity={"max_seqs": 4}),
                  {"http://a": answers, "http://b": answers})
+    members = gw.upstreams["m"].members
+    for m in members:  # at each post: the slots each member's queue holds
+        m.pool.probe = lambda: {k: q.snapshot().slots_held  # type: ignore[attr-defined]
+                                for k, q in gw.queues.items()}
     ex, client = await run(gw, {**CHAT, "stream": True})
     assert client.status == 200 and ex.ended is not None
     assert ex.ended.outcome is Outcome.SUCCESS
     assert gw.metrics.retries == {("m", "retried"): 1}
-    posts = [len(m.pool.posts) for m in gw.upstreams["m"].members]  # type: ignore[attr-defined]
-    assert posts == [1, 1]
+    # each post held exactly one slot, on its own member: the failed member's slot was
+    # given back before the retry took one on the other
+    for m in members:
+        assert m.pool.probed == [  # type: ignore[attr-defined]
+            {k: int(k == m.key) for k in gw.queues}]
     await nothing_held(gw)
 
 

@@ -11,10 +11,10 @@ from gateway.errors import BadRequest, GatewayTimeout, InternalError, ServiceUna
 from gateway.failover import Attempt, CircuitOpen, Failover
 from gateway.outcome import Outcome, classify
 from gateway.pool import Member
-from gateway.tracing import NO_TRACE
+from gateway.tracing import NO_TRACE, NoTrace
 from gateway.upstream import Fault
 from policies.retry_budget import RetryBudget, RetryPolicy
-from tests.gateway.stage_kit import config, gateway
+from tests.gateway.stage_kit import Spans, config, gateway
 
 
 class Counts:
@@ -30,13 +30,19 @@ class Counts:
 
 
 def failover(urls: tuple[str, ...] = ("http://a", "http://b"), *, max_attempts: int = 2,
-             budget_min_per_s: float = 10.0) -> tuple[Failover, Counts, list[Member]]:
+             budget_min_per_s: float = 10.0, trace: NoTrace = NO_TRACE
+             ) -> tuple[Failover, Counts, list[Member]]:
     gw = gateway(config(*urls), {})
     up = gw.upstreams["m"]
     counts = Counts()
     budget = RetryBudget(RetryPolicy(max_attempts, 0.1, budget_min_per_s, backoff_base_s=0.0,
                                      backoff_max_s=0.0))
-    return Failover("m", up.router, budget, counts, NO_TRACE, 100), counts, up.members
+    return Failover("m", up.router, budget, counts, trace, 100, None, "/v1/completions"), \
+        counts, up.members
+
+
+def nothing() -> None:
+    pass
 
 
 def unwell(url: str) -> Fault:
@@ -44,24 +50,36 @@ def unwell(url: str) -> Fault:
 
 
 async def test_a_server_fault_is_retried_on_another_member_and_the_slot_moves() -> None:
-    fo, counts, members = failover()
+    spans = Spans()
+    fo, counts, members = failover(trace=spans)
     first = fo.first()
-    called: list[str] = []
-    moved: list[str] = []
+    steps: list[str] = []
 
     async def call(attempt: Attempt) -> str:
-        called.append(attempt.member.url)
+        steps.append(f"call {attempt.member.url} {attempt.headers}")
         if attempt.number == 1:
+            attempt.status = 500
             raise unwell(attempt.member.url)
         attempt.status = 200
         return "answered"
 
-    async def move(member: Member) -> None:
-        moved.append(member.url)
+    async def take(member: Member) -> None:
+        steps.append(f"take {member.url}")
 
-    assert await fo.run(call, lambda: False, move) == "answered"
+    assert await fo.run(call, lambda: False, lambda: steps.append("release"), take) == \
+        "answered"
     other = next(m for m in members if m is not first.member)
-    assert called == [first.member.url, other.url] and moved == [other.url]
+    trace = [(b"traceparent", b"00-test")]
+    # the failed member's slot is given back before the backoff, the next one taken after
+    assert steps == [f"call {first.member.url} {trace}", "release", f"take {other.url}",
+                     f"call {other.url} {trace}"]
+    upstream = spans.named("sluice.upstream")
+    assert [(a["sluice.attempt"], a["http.response.status_code"], a["url.path"],
+             a["sluice.upstream.member"]) for a in upstream] == [
+        (1, 500, "/v1/completions", first.member.url), (2, 200, "/v1/completions", other.url)]
+    assert upstream[0]["error.type"] == "http_500" and "error.type" not in upstream[1]
+    assert [n for n, _ in spans.ended] == ["sluice.upstream", "sluice.retry.backoff",
+                                           "sluice.upstream"]
     assert counts.failures == [(first.member.url, "http_500")]
     assert counts.retries == [("m", "retried")]
     # each member judged once: the failure on the first, the success on the second
@@ -69,64 +87,46 @@ async def test_a_server_fault_is_retried_on_another_member_and_the_slot_moves() 
     assert all(m.inflight_requests == 0 and m.inflight_tokens == 0 for m in members)
 
 
+async def no_retry(fo: Failover, error: Exception, *, started: bool = False) -> None:
+    """Run ``fo`` where every call raises ``error``: it (a fault's client error) must reach
+    the caller, the slot never moved."""
+    async def call(attempt: Attempt) -> None:
+        raise error
+
+    async def take(member: Member) -> None:
+        raise AssertionError("must not move")
+
+    with pytest.raises(type(error.err if isinstance(error, Fault) else error)):
+        await fo.run(call, lambda: started, nothing, take)
+
+
 async def test_no_retry_once_the_client_has_bytes() -> None:
     fo, counts, _ = failover()
     fo.first()
-
-    async def call(attempt: Attempt) -> None:
-        raise unwell(attempt.member.url)
-
-    async def move(member: Member) -> None:
-        raise AssertionError("must not move")
-
-    with pytest.raises(ServiceUnavailable):
-        await fo.run(call, lambda: True, move)
+    await no_retry(fo, unwell("a"), started=True)
     assert counts.retries == []  # not a retry decision: the answer had begun
 
 
 async def test_a_refusal_is_not_retried_and_says_nothing_of_the_server() -> None:
     fo, counts, _ = failover()
     first = fo.first()
-
-    async def call(attempt: Attempt) -> None:
-        raise BadRequest("no", "model")
-
-    async def move(member: Member) -> None:
-        raise AssertionError("must not move")
-
-    with pytest.raises(BadRequest):
-        await fo.run(call, lambda: False, move)
+    await no_retry(fo, BadRequest("no", "model"))
     assert counts.failures == [] and counts.retries == []
     assert first.recorded and first.member.inflight_requests == 0
+    assert first.member.breaker.state == "closed"
 
 
 async def test_attempts_exhausted_returns_the_last_error_to_the_client() -> None:
     fo, counts, _ = failover(max_attempts=1)
     fo.first()
-
-    async def call(attempt: Attempt) -> None:
-        raise unwell(attempt.member.url)
-
-    async def move(member: Member) -> None:
-        raise AssertionError("must not move")
-
-    with pytest.raises(ServiceUnavailable):
-        await fo.run(call, lambda: False, move)
+    await no_retry(fo, unwell("a"))
     assert counts.retries == [("m", "attempts_exhausted")]
 
 
 async def test_a_lone_member_has_no_other_to_try() -> None:
     fo, counts, _ = failover(("http://a",))
     fo.first()
-
-    async def call(attempt: Attempt) -> None:
-        raise unwell(attempt.member.url)
-
-    async def move(member: Member) -> None:
-        raise AssertionError("must not move")
-
-    with pytest.raises(ServiceUnavailable):
-        await fo.run(call, lambda: False, move)
+    await no_retry(fo, unwell("a"))
     assert counts.retries == [("m", "no_other_upstream")]
 
 
@@ -151,10 +151,10 @@ async def test_a_cancelled_attempt_is_judged_neutral_and_frees_its_load() -> Non
         started.set()
         await asyncio.sleep(3600)
 
-    async def move(member: Member) -> None:
+    async def take(member: Member) -> None:
         raise AssertionError("must not move")
 
-    task = asyncio.ensure_future(fo.run(call, lambda: False, move))
+    task = asyncio.ensure_future(fo.run(call, lambda: False, nothing, take))
     await started.wait()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

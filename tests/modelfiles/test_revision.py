@@ -13,36 +13,17 @@ from safetensors.numpy import load_file, save_file
 
 from modelfiles.errors import MissingFileError
 from modelfiles.revision import model_revision, weight_files
-
-CONFIG: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 40,
-    "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
-    "eos_token_id": 2, "bos_token_id": 1, "torch_dtype": "float32",
-}
+from tests.modelfiles.checkpoints import CONFIG, write_checkpoint
 
 
 def _write(path: Path, config: dict[str, Any] = CONFIG, shards: int = 1) -> dict[str, Any]:
     """A checkpoint of seeded float32 tensors, in one file or ``shards`` files + an index."""
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
     rng = np.random.Generator(np.random.PCG64(3))
     state = {f"model.layers.{i}.mlp.up_proj.weight": rng.standard_normal((32, 16),
                                                                           dtype=np.float32)
              for i in range(config["num_hidden_layers"])}
     state["model.norm.weight"] = np.ones(16, dtype=np.float32)
-    if shards == 1:
-        save_file(state, str(path / "model.safetensors"))
-        return state
-    names = sorted(state)
-    weight_map = {}
-    for i in range(shards):
-        shard = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        part = {n: state[n] for n in names[i::shards]}
-        save_file(part, str(path / shard))
-        weight_map.update({n: shard for n in part})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    write_checkpoint(path, config, state, save_file, shards)
     return state
 
 

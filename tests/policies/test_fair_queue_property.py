@@ -12,6 +12,7 @@ step, and leave nobody waiting forever.
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
 from hypothesis import HealthCheck, given, settings
@@ -221,14 +222,14 @@ def test_random_streams_agree_with_the_shadow(ops: list[tuple[object, ...]],
                                               weights: list[float], max_len: int) -> None:
     h = Harness(weights, max_len)
     for op in ops:
-        kind, args = op[0], op[1:]
-        if kind == "push":
-            if len(h.waiting) < max_len:  # the wrapper asks shed() first
-                h.push(*args)  # type: ignore[arg-type]
-        elif kind == "tick":
-            h.now += args[0]  # type: ignore[operator]
-        else:
-            getattr(h, str(kind))(*args)
+        match op:
+            case ("push", int(tenant), int(priority), int(tokens)):
+                if len(h.waiting) < max_len:  # the wrapper asks shed() first
+                    h.push(tenant, priority, tokens)
+            case ("tick", float(dt)):
+                h.now += dt
+            case (str(kind), *args):
+                getattr(h, kind)(*args)
         h.check()
     # Everybody is served in the end (a bounded number of dispatches), and all slots return.
     for _ in range(200):
@@ -247,13 +248,14 @@ def test_random_streams_agree_with_the_shadow(ops: list[tuple[object, ...]],
 @settings(max_examples=200, deadline=None)
 @given(weights=st.lists(st.sampled_from([0.5, 1.0, 2.0, 3.0, 5.0]), min_size=2, max_size=4),
        order=st.randoms(use_true_random=False), backlog=st.integers(5, 30))
-def test_backlogged_tenants_get_their_weighted_share(weights: list[float], order: object,
+def test_backlogged_tenants_get_their_weighted_share(weights: list[float],
+                                                     order: random.Random,
                                                      backlog: int) -> None:
     now = 0.0
     q = FairQueue(max_len=1000, aging_s=AGING, clock=lambda: now)
     tenants = [f"t{i}" for i in range(len(weights))]
     pushes = [t for t in tenants for _ in range(backlog)]
-    order.shuffle(pushes)  # type: ignore[attr-defined]
+    order.shuffle(pushes)
     for n, t in enumerate(pushes):
         q.push(f"{t}-{n}", t, weights[tenants.index(t)], 2, 1, now)
     count = dict.fromkeys(tenants, 0)

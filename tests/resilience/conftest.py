@@ -216,8 +216,8 @@ def _leaks(gw: ThreadedGateway, replicas: list[Replica], idle_tasks: int,
     if g.admission.live:
         out.append(f"leases {list(g.admission.live)}")
     for name, q in g.queues.items():
-        if q.held or q.size:
-            out.append(f"queue {name}: {len(q.held)} slots, {q.size} waiting")
+        if q.snapshot().slots_held or q.size:
+            out.append(f"queue {name}: {q.snapshot().slots_held} slots, {q.size} waiting")
     for up in g.upstreams.values():
         for m in up.members:
             if m.pool.active or m.inflight_tokens or m.inflight_requests or m.breaker.probes:

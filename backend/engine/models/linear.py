@@ -31,8 +31,7 @@ _PAD_ROWS = 4
 
 def can_prepack(device: torch.device) -> bool:
     """Whether this torch build can prepack linear weights for ``device``."""
-    # torch leaves is_available unannotated
-    mkldnn = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+    mkldnn = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]  # torch leaves is_available unannotated
     return (device.type == "cpu" and mkldnn
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 

@@ -14,33 +14,14 @@ from backend.engine.loader import load_model
 from backend.engine.models import build_model
 from modelfiles.errors import MissingFileError, ModelLoadError, UnsupportedModelError
 from modelfiles.model_config import ModelConfig
-
-CONFIG: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 40,
-    "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
-    "eos_token_id": 2, "bos_token_id": 1, "torch_dtype": "float32",
-}
+from tests.modelfiles.checkpoints import CONFIG, write_checkpoint
 
 
 def _write(path: Path, config: dict[str, Any] = CONFIG, shards: int = 1) -> dict[str, Any]:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
     model: Any = build_model(ModelConfig.from_hf(config), torch.float32, torch.device("cpu"))
     model.init_weights(seed=3)
     state = model.export_state_dict()
-    if shards == 1:
-        save_file(state, str(path / "model.safetensors"))
-        return state
-    names = sorted(state)
-    weight_map = {}
-    for i in range(shards):
-        shard = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        part = {n: state[n] for n in names[i::shards]}
-        save_file(part, str(path / shard))
-        weight_map.update({n: shard for n in part})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    write_checkpoint(path, config, state, save_file, shards)
     return state
 
 
