@@ -39,9 +39,9 @@ from .client_io import (
 from .contract import Kind
 from .errors import GatewayError, InternalError, ServiceUnavailable
 from .exchange import Exchange
-from .metrics import RequestTimes
 from .observe import observe, outcome_of
 from .service import Gateway
+from .timing import RequestTimes
 from .tracing import AUTH, NO_TRACE, request_trace
 
 log = logging.getLogger("sluice.gateway.relay")

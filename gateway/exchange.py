@@ -29,16 +29,15 @@ from .client_io import ClientStalled, Reply, send_error
 from .contract import Kind, parse
 from .errors import GatewayError, GatewayTimeout, InternalError
 from .failover import Failover
-from .metrics import RequestTimes
-from .outcome import Ended, classify
+from .outcome import Ended, conclude
 from .pool import Member
 from .queue import DispatchQueue, Slot, SlotRequest
 from .relay import Relay, RelayResult
 from .resolve import Prepared, Target
 from .service import Gateway
 from .tenants import Tenant
-from .tracing import NoTrace
-from .usage import Settlement
+from .timing import RequestTimes
+from .tracing import NoTrace, describe
 
 log = logging.getLogger("sluice.gateway.exchange")
 
@@ -85,22 +84,10 @@ class Exchange:
             self.ended = self._conclude(cancelled)
 
     def _conclude(self, cancelled: bool) -> Ended:
-        """The request's ``Ended`` record; settles the usage ledger when it held a
-        reservation (exactly once, by the attempt's id)."""
-        relay = self._result
-        reply = self.reply
-        outcome = classify(reply.status, reply.error, cancelled=cancelled,
-                           accepted=relay is not None and relay.accepted,
-                           done=relay is not None and relay.done,
-                           upstream_failed=relay is not None and relay.upstream_failed)
-        ended = Ended(outcome, self._prepared, self._reserved, self._queued_s, relay)
-        p = self._prepared
-        if ended.reserved and p is not None:
-            prompt, completion, exact = ended.tokens()
-            self.gw.ledger.settle(Settlement(
-                request_id=self.attempt_id, tenant=self.tenant.id, model=p.upstream.name,
-                prompt_tokens=prompt, completion_tokens=completion, outcome=outcome.value,
-                exact=exact))
+        """The request's record; the usage ledger settles it if it held a reservation."""
+        ended = conclude(self.reply.status, self.reply.error, cancelled, self._prepared,
+                         self._reserved, self._queued_s, self._result)
+        self.gw.ledger.settle_ended(self.attempt_id, ended)
         return ended
 
     async def _internal_error(self, exc: Exception) -> None:
@@ -126,12 +113,7 @@ class Exchange:
             await send_error(self.reply, err, stamp)
             return None
         if trace.recording:
-            trace.set(priority=p.priority, model=p.upstream.name + (f"@{p.pin}" if p.pin else ""),
-                      max_tokens=p.max_tokens, temperature=p.body.get("temperature"),
-                      top_p=p.body.get("top_p"), stream=p.stream, worst_case=p.worst_case)
-            trace.stamp(p.stamp)
-            if p.degraded:
-                trace.set(**{"sluice.degraded": p.degraded})
+            describe(trace, p)
         return p
 
     async def _serve(self, p: Prepared) -> None:

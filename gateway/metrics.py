@@ -14,7 +14,6 @@ from telemetry.metrics import (
     LATENCY_BUCKETS,
     TOKEN_BUCKETS,
     Family,
-    HistogramPoint,
     Kind,
     Registry,
 )
@@ -25,38 +24,10 @@ from .queue import QueueSnapshot
 from .upstream import UpstreamSnapshot
 from .usage import LedgerSnapshot
 
-__all__ = ["CONTENT_TYPE", "GatewayMetrics", "RequestTimes"]
+__all__ = ["CONTENT_TYPE", "GatewayMetrics"]
 
 P = "sluice_gateway_"
 SLO_LABELS = ("tenant", "model", "priority_class")
-
-
-class RequestTimes:
-    """Monotonic timestamps of one request as the gateway saw it."""
-
-    __slots__ = ("first", "itl", "last", "received")
-
-    def __init__(self, received: float) -> None:
-        self.received = received
-        self.first: float | None = None  # first content chunk relayed
-        self.last: float | None = None  # last content chunk relayed
-        self.itl: HistogramPoint | None = None  # this request's ITL histogram point
-
-    def chunks(self, n: int, now: float) -> bool:
-        """``n`` more content chunks relayed at ``now``; True for the request's first."""
-        if n <= 0:
-            return False
-        first = self.first is None
-        itl = self.itl
-        if first:
-            self.first = now
-        elif itl is not None and self.last is not None:
-            itl.observe(now - self.last)
-        if itl is not None:
-            for _ in range(n - 1):  # chunks read together arrived together
-                itl.observe(0.0)
-        self.last = now
-        return first
 
 
 class GatewayMetrics:

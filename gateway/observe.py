@@ -9,8 +9,9 @@ import time
 from telemetry import priority_class
 
 from .client_io import Reply
-from .metrics import GatewayMetrics, RequestTimes
+from .metrics import GatewayMetrics
 from .outcome import Ended, Outcome, classify
+from .timing import RequestTimes
 from .tracing import reject_reason
 
 _REJECTED = (Outcome.REJECTED_429, Outcome.REJECTED_503, Outcome.DEADLINE)

@@ -73,3 +73,14 @@ def classify(status: int, error: GatewayError | None, *, accepted: bool = False,
     if status == 0:
         return Outcome.CANCELLED  # the client left before anything was sent
     return Outcome.INVALID
+
+
+def conclude(status: int, error: GatewayError | None, cancelled: bool,
+             prepared: Prepared | None, reserved: bool, queued_s: float | None,
+             relay: RelayResult | None) -> Ended:
+    """The record of a request whose client got ``status`` / ``error``."""
+    outcome = classify(status, error, cancelled=cancelled,
+                       accepted=relay is not None and relay.accepted,
+                       done=relay is not None and relay.done,
+                       upstream_failed=relay is not None and relay.upstream_failed)
+    return Ended(outcome, prepared, reserved, queued_s, relay)

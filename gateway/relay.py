@@ -31,9 +31,9 @@ from .client_io import Reply, stamp_headers
 from .errors import BadGateway, RevisionMismatch
 from .failover import Attempt
 from .http_client import Response, UpstreamHTTPError
-from .metrics import RequestTimes
 from .resolve import Prepared
 from .sse import ChunkRewriter
+from .timing import RequestTimes
 from .tracing import RELAY
 from .upstream import Fault, Upstream, UpstreamError, error_from, fault_of
 

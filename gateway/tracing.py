@@ -19,6 +19,7 @@ from protocol.versions import ResolvedVersions
 from telemetry import extract, new_span_id, record_phase
 
 from .errors import GatewayError
+from .resolve import Prepared
 
 _CLIENT, _INTERNAL = SpanKind.CLIENT, SpanKind.INTERNAL  # (enum lookups run Python code)
 
@@ -207,6 +208,16 @@ def _stamp_attributes(stamp: ResolvedVersions) -> dict[str, Any]:
         _STAMPS.clear()
     _STAMPS[key] = (v, attrs)  # the versions object is kept, so its id is not reused
     return attrs
+
+
+def describe(trace: NoTrace, p: Prepared) -> None:
+    """A prepared request's attributes on its root span (GenAI names where they exist)."""
+    trace.set(priority=p.priority, model=p.upstream.name + (f"@{p.pin}" if p.pin else ""),
+              max_tokens=p.max_tokens, temperature=p.body.get("temperature"),
+              top_p=p.body.get("top_p"), stream=p.stream, worst_case=p.worst_case)
+    trace.stamp(p.stamp)
+    if p.degraded:
+        trace.set(**{"sluice.degraded": p.degraded})
 
 
 def reject_reason(err: GatewayError) -> str:

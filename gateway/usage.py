@@ -13,6 +13,8 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from .outcome import Ended
+
 log = logging.getLogger("sluice.gateway.usage")
 
 _REMEMBERED_IDS = 65536
@@ -55,6 +57,15 @@ class UsageLedger:
             settled=tuple((t, m, o, n) for (t, m, o), n in sorted(self.by_key.items())),
             tokens=tuple((t, u.prompt_tokens, u.completion_tokens)
                          for t, u in sorted(self.by_tenant.items())))
+
+    def settle_ended(self, request_id: str, ended: Ended) -> bool:
+        """Settle a request that held a reservation (``request_id``: its attempt's id)."""
+        p = ended.prepared
+        if not ended.reserved or p is None:
+            return False
+        prompt, completion, exact = ended.tokens()
+        return self.settle(Settlement(request_id, p.tenant.id, p.upstream.name, prompt,
+                                      completion, ended.outcome.value, exact))
 
     def settle(self, s: Settlement) -> bool:
         """Record ``s``; a second settlement of the same request id is ignored."""

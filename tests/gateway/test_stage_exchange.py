@@ -13,10 +13,10 @@ import pytest
 
 from gateway.exchange import Exchange
 from gateway.http_client import ConnectFailed
-from gateway.metrics import RequestTimes
 from gateway.outcome import Outcome
 from gateway.service import Gateway
 from gateway.tenants import Tenant
+from gateway.timing import RequestTimes
 from tests.gateway.stage_kit import (
     Client,
     Scripted,

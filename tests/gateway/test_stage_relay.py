@@ -12,9 +12,9 @@ from gateway.contract import parse
 from gateway.errors import BadGateway, GatewayError
 from gateway.failover import Attempt
 from gateway.http_client import ConnectFailed, ProtocolFailed
-from gateway.metrics import RequestTimes
 from gateway.relay import Relay
 from gateway.resolve import Prepared
+from gateway.timing import RequestTimes
 from gateway.upstream import Fault
 from tests.gateway.stage_kit import (
     Client,
