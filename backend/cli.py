@@ -7,10 +7,20 @@ building the `sluice` parser stays cheap.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
+from protocol.limits import (
+    DEFAULT_BACKEND_MAX_CONNECTIONS,
+    DEFAULT_BODY_MIN_BYTES_PER_S,
+    DEFAULT_REQUEST_READ_S,
+    ConnectionLimits,
+)
+from protocol.offload import OffloadSettings
+
 DEFAULT_HOST = "127.0.0.1"
+TOKENIZE = OffloadSettings()  # the defaults
 DEFAULT_PORT = 8001
 
 
@@ -50,14 +60,45 @@ def _add_server_flags(p: argparse.ArgumentParser, *, model_default: str | None) 
                         "a slow model server for resilience tests and demos (default 0)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="largest request body accepted (default 4 MiB; larger gets 413)")
+    p.add_argument("--tokenize-workers", type=int, default=TOKENIZE.workers,
+                   metavar="N", help="threads tokenizing long prompts at once "
+                                     f"(default {TOKENIZE.workers})")
+    p.add_argument("--tokenize-per-tenant", type=int, default=TOKENIZE.per_tenant,
+                   metavar="N", help="one tenant's long prompts being tokenized or waiting; "
+                                     f"one more gets 429 (default {TOKENIZE.per_tenant})")
+    p.add_argument("--tokenize-max-waiting", type=int, default=TOKENIZE.max_waiting,
+                   metavar="N", help="long prompts waiting for a tokenizing thread; one more "
+                                     f"gets 503 (default {TOKENIZE.max_waiting})")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, how long in-flight requests may finish before abort")
     p.add_argument("--drain-grace", type=float, default=0.0, metavar="SECONDS",
                    help="after SIGTERM, keep accepting this long, answering 503 with "
                         "Retry-After, before closing the listener (default 0)")
+    p.add_argument("--request-read-timeout", type=float, default=DEFAULT_REQUEST_READ_S,
+                   metavar="SECONDS",
+                   help="a request head must arrive within this (else 408), and a body "
+                        "gets it as a grace before --min-body-rate counts "
+                        f"(default {DEFAULT_REQUEST_READ_S:g})")
+    p.add_argument("--min-body-rate", type=int, default=DEFAULT_BODY_MIN_BYTES_PER_S,
+                   metavar="BYTES_PER_S",
+                   help="a request body slower than this on average is cut with 408 "
+                        f"(default {DEFAULT_BODY_MIN_BYTES_PER_S})")
+    p.add_argument("--max-connections", type=int, default=DEFAULT_BACKEND_MAX_CONNECTIONS,
+                   metavar="N",
+                   help="open client connections at once; one more gets 503 with "
+                        "Retry-After. Keep it above the sum of the gateways' pools to it "
+                        "(models[].max_connections, 1024 each) "
+                        f"(default {DEFAULT_BACKEND_MAX_CONNECTIONS})")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every request")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="every route but /health needs 'Authorization: Bearer KEY' "
+                        "(default: $SLUICE_BACKEND_API_KEY, which `ps` does not show; one "
+                        "of the two, or --no-api-key, is required)")
+    p.add_argument("--no-api-key", action="store_true",
+                   help="serve without a key: anyone who reaches the port may generate, "
+                        "read the state and time the prefix cache (local experiments only)")
 
 
 def _backend(args: argparse.Namespace) -> int:
@@ -70,6 +111,7 @@ def _backend(args: argparse.Namespace) -> int:
     from backend.engine.thread_transport import ThreadTransport
     from backend.faults import step_delay_hook
     from backend.server.app import ServerSettings
+    from backend.server.auth import resolve_api_key
     from backend.server.serve import serve
     from modelfiles.errors import ModelFileError
     from telemetry import Telemetry, TelemetryError
@@ -80,6 +122,28 @@ def _backend(args: argparse.Namespace) -> int:
         print("sluice backend: --drain-grace and --shutdown-timeout must be >= 0",
               file=sys.stderr)
         return 2
+    try:
+        limits = ConnectionLimits(request_read_s=args.request_read_timeout,
+                                  body_min_bytes_per_s=args.min_body_rate,
+                                  max_connections=args.max_connections)
+    except ValueError as exc:
+        print(f"sluice backend: {exc}", file=sys.stderr)
+        return 2
+    try:
+        tokenize = OffloadSettings(workers=args.tokenize_workers,
+                                   per_tenant=args.tokenize_per_tenant,
+                                   max_waiting=args.tokenize_max_waiting)
+    except ValueError as exc:
+        print(f"sluice backend: {exc}", file=sys.stderr)
+        return 2
+    try:  # before the model loads: a missing key fails fast
+        api_key = resolve_api_key(args.api_key, args.no_api_key, os.environ)
+    except ValueError as exc:
+        print(f"sluice backend: cannot start: {exc}", file=sys.stderr)
+        return 2
+    if api_key is None:
+        logging.getLogger("sluice.backend").warning(
+            "--no-api-key: anyone who reaches %s:%d may use this server", args.host, args.port)
     try:  # before the model loads: a bad OTEL_* setting fails fast
         telemetry = Telemetry.create("sluice-backend", scope="sluice.backend")
     except TelemetryError as exc:
@@ -108,8 +172,9 @@ def _backend(args: argparse.Namespace) -> int:
         return 2
     settings = ServerSettings(host=args.host, port=args.port, max_body_bytes=args.max_body_bytes,
                               shutdown_timeout_s=args.shutdown_timeout,
-                              drain_grace_s=args.drain_grace,
-                              log_level=args.log_level, access_log=args.access_log)
+                              drain_grace_s=args.drain_grace, limits=limits,
+                              log_level=args.log_level, access_log=args.access_log,
+                              api_key=api_key, tokenize=tokenize)
     model = engine.info.model_name if engine.info is not None else args.model
 
     def ready() -> None:

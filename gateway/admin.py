@@ -12,13 +12,24 @@ Who may do what:
 Every write goes to the tenant store in one atomic step; this replica then reloads at once,
 the others within ``admin.poll_interval_s`` (``registry.py``). Reads come from the store,
 so they see every replica's writes.
+
+Validation (limits in ``tenant_config.py``, docs/admin.md#limits): a body is parsed strictly
+(``protocol.http``: UTF-8, no lone surrogates, at most 64 levels deep) and a record is
+validated whole by ``TenantEntry`` before anything is stored; what is refused is a 400
+naming the field, and nothing of it is stored. A record already in the store that this
+version refuses (an older version's, or one written by hand) is logged and left out of
+lists and of the registry; ``GET`` of it is a 409 ``invalid_record`` naming what is wrong,
+so that an operator can repair it with ``PATCH`` (which validates the merged record) or
+remove it with ``DELETE``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
+import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -34,6 +45,7 @@ from policies.store import StoreUnavailable
 from policies.tenant_store import (
     ROLES,
     ChangedConcurrently,
+    InvalidRecord,
     KeyExists,
     KeyRecord,
     NoSuchKey,
@@ -53,9 +65,13 @@ from .errors import (
     ServiceUnavailable,
 )
 from .registry import Registry, tenant_record
+from .tenant_config import describe
 from .tenants import bearer_key, hash_key
 
+log = logging.getLogger("sluice.gateway.admin")
+
 ADMIN_KEY_ENV = "SLUICE_ADMIN_KEY"
+KEY_ID = re.compile(r"(key_|file-)[0-9a-f]{16}")  # fullmatch; what this API and the file make
 PREFIX = "/admin/v1"
 MAX_BODY_BYTES = 64 * 1024
 _REPLACE_TRIES = 5  # PATCH re-reads and re-merges when another write raced it
@@ -65,6 +81,12 @@ class Conflict(GatewayError):
     status = 409
     type = "invalid_request_error"
     code = "conflict"
+
+
+class InvalidStoredRecord(Conflict):
+    """A stored record this version refuses: PATCH can repair it, DELETE remove it."""
+
+    code = "invalid_record"
 
 
 @dataclass(slots=True, frozen=True)
@@ -82,19 +104,34 @@ class Principal:
 
 
 def _invalid(exc: ValidationError) -> BadRequest:
-    errors = exc.errors(include_url=False)
-    first = ".".join(str(p) for p in errors[0].get("loc", ())) or None
-    detail = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())) or 'body'}: {e['msg']}"
-                       for e in errors)
+    first, detail = describe(exc)
     return BadRequest(f"invalid tenant: {detail}", first, code="invalid_value")
 
 
-def _shown(record: Record) -> Record:
-    """A stored record as the gateway applies it: defaults filled in for fields it lacks."""
+def _shown(tid: str, record: Record) -> Record:
+    """A stored record as the gateway applies it (defaults filled in for fields it lacks);
+    InvalidStoredRecord if this version refuses it."""
     try:
-        return tenant_record(TenantEntry.model_validate(record))
-    except ValidationError:
-        return record
+        entry = TenantEntry.model_validate(record)
+    except ValidationError as exc:
+        _, detail = describe(exc)
+        raise InvalidStoredRecord(
+            f"tenant {tid!r} is stored in a form this gateway refuses ({detail}); it is left "
+            "out of the registry: PATCH the named fields to repair it, or DELETE it",
+            "tenant") from None
+    if entry.id != tid:
+        raise InvalidStoredRecord(f"the record stored as tenant {tid!r} names the id "
+                                  f"{entry.id!r}; DELETE it", "tenant")
+    return tenant_record(entry)
+
+
+def _listed(tid: str, record: Record) -> Record | None:
+    """``_shown``, or None (logged) for a record this version refuses."""
+    try:
+        return _shown(tid, record)
+    except InvalidStoredRecord as err:
+        log.warning("tenant store: %s", err.message)
+        return None
 
 
 def _merge(base: Record, patch: Record) -> Record:
@@ -184,9 +221,11 @@ class AdminApi:
     # ---- tenants --------------------------------------------------------------------------
     async def list_tenants(self, request: Request, who: Principal) -> Response:
         snap = await _registry(request).store.snapshot()
-        data = [_shown(r) for tid, r in sorted(snap.tenants.items())
-                if who.tenant is None or who.tenant == tid]
-        return JSONResponse({"object": "list", "data": data})
+        for rid in snap.unreadable:
+            log.warning("tenant store: record %r cannot be read; left out", rid)
+        shown = (_listed(tid, r) for tid, r in sorted(snap.tenants.items())
+                 if who.tenant is None or who.tenant == tid)
+        return JSONResponse({"object": "list", "data": [r for r in shown if r is not None]})
 
     async def create_tenant(self, request: Request, who: Principal) -> Response:
         who.require_operator("create tenants")
@@ -202,7 +241,7 @@ class AdminApi:
     async def get_tenant(self, request: Request, who: Principal) -> Response:
         tid = request.path_params["tenant"]
         who.require_tenant(tid)
-        return JSONResponse(_shown(await _existing(_registry(request), tid)))
+        return JSONResponse(_shown(tid, await _existing(_registry(request), tid)))
 
     async def patch_tenant(self, request: Request, who: Principal) -> Response:
         tid = request.path_params["tenant"]
@@ -211,12 +250,18 @@ class AdminApi:
         if patch.get("id", tid) != tid:
             raise BadRequest("a tenant's id cannot change", "id", code="invalid_value")
         registry = _registry(request)
+        previous: Record | None = None
         for _ in range(_REPLACE_TRIES):
             current = await _existing(registry, tid)
+            if current == previous:  # the same record, yet the compare failed: hand-written
+                raise InvalidStoredRecord(f"tenant {tid!r} is stored in a form this gateway "
+                                          "does not write; DELETE it and create it again",
+                                          "tenant")
             record = _validate(_merge(current, patch))
             try:
                 await registry.store.replace_tenant(record, current)
             except ChangedConcurrently:
+                previous = current
                 continue
             except NoSuchTenant:
                 raise NotFound(f"no tenant {tid!r}", "tenant") from None
@@ -242,7 +287,7 @@ class AdminApi:
         snap = await _registry(request).store.snapshot()
         if tid not in snap.tenants:
             raise NotFound(f"no tenant {tid!r}", "tenant")
-        keys = sorted((k for k in snap.keys.values() if k.tenant == tid),
+        keys = sorted((k for k in snap.keys.values() if k.tenant == tid and _key_id_ok(k)),
                       key=lambda k: (k.created, k.id))
         return JSONResponse({"object": "list", "data": [
             {"id": k.id, "role": k.role, "created": k.created} for k in keys]})
@@ -306,10 +351,22 @@ def _registry(request: Request) -> Registry:
 
 
 async def _existing(registry: Registry, tid: str) -> Record:
-    record = await registry.store.get_tenant(tid)
+    """The stored record (maybe one this version refuses); 404, or 409 if unreadable."""
+    try:
+        record = await registry.store.get_tenant(tid)
+    except InvalidRecord as exc:
+        raise InvalidStoredRecord(f"{exc}; DELETE it", "tenant") from None
     if record is None:
         raise NotFound(f"no tenant {tid!r}", "tenant")
     return record
+
+
+def _key_id_ok(key: KeyRecord) -> bool:
+    if KEY_ID.fullmatch(key.id):
+        return True
+    log.warning("tenant store: key %r of tenant %r has an id this API never makes; left out "
+                "of the list", key.id, key.tenant)
+    return False
 
 
 def admin_routes(env: Mapping[str, str] | None = None) -> list[Route]:

@@ -27,6 +27,7 @@ from policies.capacity import CapacityGate, MemoryGate
 from policies.memory import MemoryStore
 from policies.quotas import Decision, Quotas
 from policies.store import Store, StoreError, StoreUnavailable
+from protocol.errors import RateLimited
 
 from .config import GatewayConfig
 from .errors import GatewayError, ServiceUnavailable
@@ -39,12 +40,6 @@ NO_RETRY_AFTER_S = 120.0  # past this wait, x-should-retry: false
 STORE_RETRY_AFTER_S = 1.0
 UNDO_AGAIN_S = 1.0  # a second try at undoing a timed-out reserve (it may land late)
 _LOG_EVERY_S = 10.0
-
-
-class RateLimited(GatewayError):
-    status = 429
-    type = "rate_limit_error"
-    code = "rate_limit_exceeded"
 
 
 _LIMIT_WORDS = {

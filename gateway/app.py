@@ -23,9 +23,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from protocol.http import clean_request_id, error_response, exception_handlers
+from protocol.limits import ConnectionCounts
 from telemetry.config import resolve as resolve_telemetry
 
 from .admin import admin_routes
+from .cache_salt import CacheSalter, salter_from_env
 from .client_io import header
 from .config import GatewayConfig, TenantsFile
 from .endpoint import ProxyEndpoint
@@ -159,16 +161,27 @@ async def metrics(request: Request) -> Response:
 
 
 def create_app(config: GatewayConfig, tenants: TenantsFile, *,
-               transport: httpx.AsyncBaseTransport | None = None) -> FastLane:
+               transport: httpx.AsyncBaseTransport | None = None,
+               salter: CacheSalter | None = None,
+               connections: ConnectionCounts | None = None, warm: bool = False) -> FastLane:
     """The gateway app (``.state.gateway`` once started); ``transport`` replaces httpx's
-    network for tests. Raises ``TelemetryError`` (a ValueError) for bad OTEL_* settings
-    now, not at the first request."""
+    network for tests; ``salter`` (else one from ``$SLUICE_CACHE_SALT_KEY``) derives the
+    tenants' cache_salt; ``connections`` is what its listener's protocol counts
+    (``protocol.server.http_protocol``), shown in /metrics; ``warm`` starts the parse
+    pool's worker process at start-up rather than at the first large body. Raises ``TelemetryError`` (a ValueError) for bad OTEL_* settings
+    and ``ConfigError`` for a missing or short cache-salt key now, not at the first
+    request."""
     resolve_telemetry(config.telemetry, "sluice-gateway", os.environ)
+    salter = salter or salter_from_env(config, os.environ)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        gw = build_gateway(config, tenants, transport)
+        gw = build_gateway(config, tenants, transport, salter=salter)
+        if connections is not None:
+            gw.metrics.bind_connections(connections.snapshot)
         await gw.start()
+        if warm:
+            gw.parse_pool.warm()
         app.state.gateway = gw
         # Everything built so far lives as long as the process: keep it out of the cyclic
         # collector's full passes, whose cost grows with the heap (a full pass over the

@@ -9,12 +9,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
+
+from protocol.limits import ConnectionCounts, ConnectionLimits
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -23,6 +27,10 @@ BACKEND_START_TIMEOUT_S = 600.0
 # The demo tenants `sluice up` serves when no tenants file is given (configs/tenants.yaml
 # holds the same two, as hashes). Demo keys only: anyone who reads this file knows them.
 DEMO_KEYS = {"alpha": "sk-demo-alpha", "beta": "sk-demo-beta"}
+# The bundled backend's API key (`sluice backend` reads the same variable) and the key of
+# the tenants' cache_salt (gateway/cache_salt.py): `sluice up` makes each per run unless set.
+BACKEND_KEY_ENV = "SLUICE_BACKEND_API_KEY"
+SALT_KEY_ENV = "SLUICE_CACHE_SALT_KEY"
 
 
 def demo_tenants() -> Any:
@@ -60,17 +68,23 @@ def listen_socket(host: str, port: int, send_buffer_bytes: int) -> Any:
 
 def _serve(app: Any, host: str, port: int, log_level: str, access_log: bool,
            shutdown_timeout_s: float, on_ready: Any = None,
-           send_buffer_bytes: int | None = None, drain_grace_s: float = 0.0) -> int:
+           send_buffer_bytes: int | None = None, drain_grace_s: float = 0.0,
+           limits: ConnectionLimits | None = None,
+           counts: ConnectionCounts | None = None) -> int:
     """Serve until SIGTERM/SIGINT, then drain gracefully and return (exit status 0).
 
     Drain: /readyz turns 503 and new generation requests get 503 + Retry-After at once;
     for ``drain_grace_s`` the listener stays open (a load balancer sees the 503s and
     stops sending), then uvicorn stops accepting and gives in-flight requests
     ``shutdown_timeout_s`` to finish before cancelling them (they settle as cancelled).
-    A second signal skips the grace."""
+    A second signal skips the grace. ``limits`` (a ``ConnectionLimits``, default its
+    defaults) cut slow senders and cap open connections (protocol/server.py), each cut
+    counted in ``counts`` (the app's, for /metrics)."""
     import threading
 
     import uvicorn
+
+    from protocol.server import fit_file_limit, http_protocol
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
@@ -95,8 +109,11 @@ def _serve(app: Any, host: str, port: int, log_level: str, access_log: bool,
             if self.started and on_ready is not None:
                 on_ready()
 
+    limits = limits or ConnectionLimits()
+    fit_file_limit(limits)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            access_log=access_log, loop="auto", http="auto",
+                            access_log=access_log, loop="auto",
+                            http=http_protocol(limits, counts),
                             timeout_graceful_shutdown=max(0.1, shutdown_timeout_s),  # type: ignore[arg-type]  # typed int, but uvicorn hands it to asyncio.wait_for: a float works
                             lifespan="on", backlog=4096)
     server = Server(config)
@@ -127,7 +144,8 @@ def _gateway(args: argparse.Namespace) -> int:
                 k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None})
             config = config.model_copy(update={"listen": listen})
         tenants = load_tenants(config.tenants_file)
-        app = create_app(config, tenants)
+        counts = ConnectionCounts()
+        app = create_app(config, tenants, connections=counts, warm=True)
     except (ConfigError, ValueError) as exc:
         print(f"sluice gateway: cannot start: {exc}", file=sys.stderr)
         return 2
@@ -139,7 +157,7 @@ def _gateway(args: argparse.Namespace) -> int:
 
     return _serve(app, host, port, args.log_level, args.access_log,
                   config.shutdown_timeout_s, ready, config.listen.send_buffer_bytes,
-                  config.drain_grace_s)
+                  config.drain_grace_s, config.connection_limits(), counts)
 
 
 # ---- sluice up ------------------------------------------------------------------------------
@@ -167,7 +185,21 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
         pass
 
 
-def _wait_backend(proc: subprocess.Popen[bytes], url: str, timeout_s: float) -> dict[str, Any]:
+def _bearer(key: str | None) -> dict[str, str]:
+    return {} if not key else {"authorization": f"Bearer {key}"}
+
+
+def _set_if_unset(environ: Any, name: str, make: Callable[[], str]) -> str:
+    """``environ[name]``, made by ``make`` first if unset. `sluice up` keeps its per-run keys
+    in its own environment: the backend inherits them, the gateway reads them there. They
+    are never printed: set them before `sluice up` to know them."""
+    if not environ.get(name):
+        environ[name] = make()
+    return str(environ[name])
+
+
+def _wait_backend(proc: subprocess.Popen[bytes], url: str, timeout_s: float,
+                  key: str) -> dict[str, Any]:
     """Wait until the backend answers /health; returns its /v1/models entry."""
     import httpx
 
@@ -177,7 +209,8 @@ def _wait_backend(proc: subprocess.Popen[bytes], url: str, timeout_s: float) -> 
             raise RuntimeError(f"the bundled backend exited with status {proc.returncode}")
         try:
             if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                listing = httpx.get(url + "/v1/models", timeout=5.0).json()
+                listing = httpx.get(url + "/v1/models", timeout=5.0,
+                                    headers=_bearer(key)).json()
                 entry: dict[str, Any] = listing["data"][0]
                 return entry
         except httpx.HTTPError:
@@ -186,12 +219,12 @@ def _wait_backend(proc: subprocess.Popen[bytes], url: str, timeout_s: float) -> 
     raise RuntimeError(f"the bundled backend did not become healthy in {timeout_s:.0f} s")
 
 
-def _detect_kind(url: str, name: str) -> Literal["sluice", "openai"]:
+def _detect_kind(url: str, name: str, key: str | None) -> Literal["sluice", "openai"]:
     """`sluice` when the upstream is a bundled backend (it reports resolved versions)."""
     import httpx
 
     try:
-        listing = httpx.get(url + "/v1/models", timeout=5.0).json()["data"]
+        listing = httpx.get(url + "/v1/models", timeout=5.0, headers=_bearer(key)).json()["data"]
         for entry in listing:
             if entry.get("id") == name and isinstance(entry.get("resolved"), dict):
                 return "sluice"
@@ -263,22 +296,28 @@ def _up(args: argparse.Namespace) -> int:
                 return 2
             upstream = args.upstream.rstrip("/").removesuffix("/v1")
             name = args.model_name
-            kind = _detect_kind(upstream, name)
-            entry = ModelEntry(name=name, upstream=upstream, kind=kind)
+            # a keyed upstream (another `sluice backend`): its key in $SLUICE_BACKEND_API_KEY
+            upstream_key = os.environ.get(BACKEND_KEY_ENV) or None
+            kind = _detect_kind(upstream, name, upstream_key)
+            entry = ModelEntry(name=name, upstream=upstream, kind=kind,
+                               api_key_env=BACKEND_KEY_ENV if upstream_key else None)
         else:
+            key = _set_if_unset(os.environ, BACKEND_KEY_ENV, lambda: secrets.token_urlsafe(32))
             backend_url = f"http://127.0.0.1:{args.backend_port}"
             print(f"starting the bundled backend (model {args.model}) on {backend_url} …",
                   flush=True)
             proc = subprocess.Popen(_backend_argv(args, args.backend_port),
                                     # no threads exist yet, so preexec_fn is safe here
                                     preexec_fn=_die_with_parent if os.name == "posix" else None)  # noqa: PLW1509
-            info = _wait_backend(proc, backend_url, BACKEND_START_TIMEOUT_S)
+            info = _wait_backend(proc, backend_url, BACKEND_START_TIMEOUT_S, key)
             name = str(info["id"])
             tokenizer = "local:tiny" if args.model == "tiny" else f"local:{args.model}"
             entry = ModelEntry(name=name, upstream=backend_url, kind="sluice",
-                               tokenizer=tokenizer)
+                               tokenizer=tokenizer, api_key_env=BACKEND_KEY_ENV)
         config = settings.model_copy(update={"models": [entry]})
-        app = create_app(config, tenants)
+        _set_if_unset(os.environ, SALT_KEY_ENV, lambda: secrets.token_hex(32))
+        counts = ConnectionCounts()
+        app = create_app(config, tenants, connections=counts, warm=True)
     except (RuntimeError, ValueError, ConfigError) as exc:
         print(f"sluice up: cannot start: {exc}", file=sys.stderr)
         if proc is not None:
@@ -299,7 +338,8 @@ def _up(args: argparse.Namespace) -> int:
         print("\n".join(lines), flush=True)
 
     try:
-        return _serve(app, args.host, args.port, args.log_level, args.access_log, 30.0, ready)
+        return _serve(app, args.host, args.port, args.log_level, args.access_log, 30.0, ready,
+                      limits=config.connection_limits(), counts=counts)
     finally:
         if proc is not None:
             _stop(proc)

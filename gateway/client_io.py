@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from protocol.http import LimitedBody
+from protocol.errors import detached
+from protocol.http import LimitedBody, int_header
 from protocol.versions import RESOLVED_HEADER, ResolvedVersions
 
-from .errors import BadRequest, GatewayError
+from .errors import GatewayError
 from .tracing import NO_TRACE, NoTrace
 
 __all__ = [
@@ -59,14 +60,9 @@ async def read_body(scope: Scope, receive: Any, limit: int) -> bytes:
 
 
 def deadline_header(scope: Scope) -> int | None:
-    raw = header(scope, b"x-sluice-deadline-ms")
-    if raw is None:
-        return None
-    text = raw.decode("latin-1").strip()
-    if not text.isdigit() or int(text) < 1:
-        raise BadRequest("x-sluice-deadline-ms must be a positive integer (milliseconds)",
-                         "x-sluice-deadline-ms", code="invalid_value")
-    return int(text)
+    """``x-sluice-deadline-ms``: 1 to 18 ASCII digits, at least 1, or a 400 naming it."""
+    return int_header("x-sluice-deadline-ms", header(scope, b"x-sluice-deadline-ms"),
+                      minimum=1, unit=" (milliseconds)")
 
 
 def stamp_headers(stamp: ResolvedVersions | None) -> list[tuple[bytes, bytes]]:
@@ -95,8 +91,8 @@ class Reply:
 
     def failed(self, err: GatewayError) -> None:
         """Record the error the client gets (as a response or an in-stream event)."""
-        self.error = err
         self.trace.error(err)
+        self.error = detached(err)  # no traceback: its frames would hold the request's body
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         headers.append((b"x-request-id", self.request_id.encode()))

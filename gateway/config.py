@@ -20,13 +20,36 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from protocol.contract import CAPABILITIES, OPENAI_CAPABILITIES, SLUICE_CAPABILITIES
+from protocol.limits import (
+    DEFAULT_BODY_MIN_BYTES_PER_S,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_REQUEST_READ_S,
+    ConnectionLimits,
+)
+from protocol.offload import OffloadSettings
 from telemetry.config import TelemetryConfig
 
 from .errors import ConfigError
+from .tenant_config import (
+    Caps,
+    DegradeConfig,
+    FallbackConfig,
+    PriorityRange,
+    QuotasConfig,
+    TenantEntry,
+    TenantsFile,
+)
+
+# The tenant models live in tenant_config.py and are importable from here too.
+__all__ = [
+    "ENV_PREFIX", "AdminConfig", "AdmissionConfig", "BreakerConfig", "Capacity", "Caps",
+    "DegradeConfig", "FallbackConfig", "GatewayConfig", "Listen", "MemberEntry", "ModelEntry",
+    "PriorityRange", "QueueConfig", "QuotasConfig", "ResilienceConfig", "RetryConfig",
+    "StaticVersions", "StoreConfig", "TenantEntry", "TenantsFile", "Timeouts", "TokenizeConfig",
+    "apply_env", "load_gateway_config", "load_tenants",
+]
 
 ENV_PREFIX = "SLUICE_"
-_TENANT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_KEY_HASH = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 # Optional request features an upstream may or may not implement (protocol.contract): a
 # request that uses one (with a non-default value) on a model whose upstream lacks it gets
@@ -45,10 +68,13 @@ class Listen(_Strict):
     # socket). None: Linux autotunes it up to tcp_wmem's max (4 MiB), which a client that
     # stops reading fills before the stall timeout can start counting.
     send_buffer_bytes: int | None = Field(None, ge=4096)
+    # Open client connections at once; one more gets 503 too_many_connections + Retry-After
+    # (protocol/limits.py). Keep it under the process's file limit (ulimit -n).
+    max_connections: int = Field(DEFAULT_MAX_CONNECTIONS, ge=1)
 
 
 class Timeouts(_Strict):
-    """Four separate limits, each with its own error (docs/resilience.md#timeouts)."""
+    """Separate limits, each with its own error (docs/resilience.md#timeouts)."""
 
     connect_s: float = Field(5.0, gt=0)
     # Longest wait for any byte from the upstream: the default of first_byte_s and idle_s.
@@ -58,6 +84,10 @@ class Timeouts(_Strict):
     total_s: float | None = Field(None, gt=0)  # request received -> answer ended (a deadline)
     # A client whose socket takes no bytes for this long is cancelled (its upstream aborted).
     client_stall_s: float = Field(30.0, gt=0)
+    # Slow senders (protocol/limits.py): the request head must arrive within request_read_s
+    # (else 408); the body at body_min_bytes_per_s on average after that grace (else 408).
+    request_read_s: float = Field(DEFAULT_REQUEST_READ_S, gt=0, allow_inf_nan=False)
+    body_min_bytes_per_s: int = Field(DEFAULT_BODY_MIN_BYTES_PER_S, ge=1)
 
     @property
     def first_byte(self) -> float:
@@ -224,6 +254,22 @@ class QueueConfig(_Strict):
     reserve_priority: int = 0
 
 
+class TokenizeConfig(_Strict):
+    """The pool a ``local:`` tokenizer tokenizes long prompts in (protocol/offload.py):
+    threads, fair across tenants; 429 past a tenant's share, 503 when the queue is full."""
+
+    workers: int = Field(2, ge=1, le=64)  # threads tokenizing at once
+    per_tenant: int = Field(8, ge=1)  # one tenant's tokenizations running or waiting
+    max_waiting: int = Field(64, ge=0)  # waiting for a thread, all tenants together
+    inline_chars: int = Field(8192, ge=0)  # a prompt under this is tokenized on the loop
+    trim_chars: int = Field(1 << 20, ge=0)  # after one this large, give memory back
+
+    def settings(self) -> OffloadSettings:
+        return OffloadSettings(workers=self.workers, per_tenant=self.per_tenant,
+                               max_waiting=self.max_waiting, inline_chars=self.inline_chars,
+                               trim_chars=self.trim_chars)
+
+
 class BreakerConfig(_Strict):
     """Circuit breaker per upstream server (policies/breaker.py)."""
 
@@ -257,6 +303,7 @@ class GatewayConfig(_Strict):
     store: StoreConfig = StoreConfig()
     admission: AdmissionConfig = AdmissionConfig()
     admin: AdminConfig = AdminConfig()
+    tokenize: TokenizeConfig = TokenizeConfig()
     tenants_file: Path = Path("tenants.yaml")
     models: list[ModelEntry] = Field(min_length=1)
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
@@ -267,109 +314,18 @@ class GatewayConfig(_Strict):
     drain_grace_s: float = Field(0.0, ge=0)
     telemetry: TelemetryConfig = TelemetryConfig()  # the OTEL_* environment wins over it
 
+    def connection_limits(self) -> ConnectionLimits:
+        """What the listener enforces on client connections (protocol.server)."""
+        return ConnectionLimits(request_read_s=self.timeouts.request_read_s,
+                                body_min_bytes_per_s=self.timeouts.body_min_bytes_per_s,
+                                max_connections=self.listen.max_connections)
+
     @model_validator(mode="after")
     def _unique_names(self) -> GatewayConfig:
         names = [m.name for m in self.models]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"model names must be unique; repeated: {dupes}")
-        return self
-
-
-class PriorityRange(_Strict):
-    """Lower is more urgent (vLLM's convention)."""
-
-    min: int = 0
-    max: int = 10
-    default: int = 5
-
-    @model_validator(mode="after")
-    def _ordered(self) -> PriorityRange:
-        if not self.min <= self.default <= self.max:
-            raise ValueError("priority needs min <= default <= max")
-        return self
-
-
-class Caps(_Strict):
-    max_body_bytes: int | None = Field(None, ge=1)
-    max_prompt_tokens: int | None = Field(None, ge=1)
-    max_tokens: int | None = Field(None, ge=1)
-    # Over the max_tokens cap: refuse with 400, or lower it and say so in x-sluice-clamped.
-    on_exceed: Literal["reject", "clamp"] = "reject"
-
-
-class QuotasConfig(_Strict):
-    """Omitted = unlimited."""
-
-    tokens_per_minute: int | None = Field(None, ge=0)
-    requests_per_minute: int | None = Field(None, ge=0)
-    tokens_per_day: int | None = Field(None, ge=0)
-    tokens_per_month: int | None = Field(None, ge=0)
-    max_concurrency: int | None = Field(None, ge=0)
-    max_queued: int | None = Field(None, ge=0)
-
-
-class FallbackConfig(_Strict):
-    model: str  # a public model name the tenant may use
-    at: float = Field(0.9, gt=0)  # from this load of the requested model
-
-
-class DegradeConfig(_Strict):
-    """What a tenant's traffic gives up under overload (policies/degrade.py). Load: the
-    model's in-flight plus waiting worst-case tokens ÷ its capacity (this replica's view)."""
-
-    batch_priority: int = 7  # priority >= this is the batch class (lower is more urgent)
-    clamp_at: float = Field(0.8, gt=0)
-    clamp_max_tokens: int = Field(256, ge=1)
-    shed_batch_at: float = Field(0.95, gt=0)
-    fallback: FallbackConfig | None = None
-
-
-class TenantEntry(_Strict):
-    id: str
-    name: str = ""
-    keys: list[str] = Field(default_factory=list)
-    models: list[str] = Field(default_factory=lambda: ["*"])
-    priority: PriorityRange = PriorityRange()
-    caps: Caps = Caps()
-    quotas: QuotasConfig = QuotasConfig()
-    weight: float = Field(1.0, gt=0)  # share of dispatches among tenants of one priority
-    # closed: 503 while the store is unreachable; open: admit within limit / replicas locally
-    fail_mode: Literal["closed", "open"] = "closed"
-    degrade: DegradeConfig | None = None  # none: no degradation, only shedding when full
-
-    @field_validator("id")
-    @classmethod
-    def _id(cls, v: str) -> str:
-        if not _TENANT_ID.match(v):
-            raise ValueError("a tenant id is 1-64 letters, digits, '_', '.' or '-'")
-        return v
-
-    @field_validator("keys")
-    @classmethod
-    def _hashed(cls, v: list[str]) -> list[str]:
-        for key in v:
-            if not _KEY_HASH.match(key):
-                raise ValueError("keys are stored only as 'sha256:<64 lowercase hex>' "
-                                 "(`sluice hash-key KEY` prints it); never the key itself")
-        return v
-
-
-class TenantsFile(_Strict):
-    tenants: list[TenantEntry]
-
-    @model_validator(mode="after")
-    def _unique(self) -> TenantsFile:
-        ids = [t.id for t in self.tenants]
-        dupes = sorted({i for i in ids if ids.count(i) > 1})
-        if dupes:
-            raise ValueError(f"tenant ids must be unique; repeated: {dupes}")
-        seen: dict[str, str] = {}
-        for t in self.tenants:
-            for key in t.keys:
-                if key in seen:
-                    raise ValueError(f"one key is listed for tenants {seen[key]!r} and {t.id!r}")
-                seen[key] = t.id
         return self
 
 

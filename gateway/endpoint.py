@@ -25,6 +25,7 @@ import uuid
 from typing import Any
 
 from protocol.http import clean_request_id, parse_json_object
+from protocol.offload import parse_body
 
 from .client_io import (
     ClientGone,
@@ -47,6 +48,7 @@ from .tracing import AUTH, NO_TRACE, request_trace
 log = logging.getLogger("sluice.gateway.relay")
 
 DRAIN_RETRY_AFTER_S = 1.0
+LARGE_BODY_BYTES = 256 * 1024  # parsed in the parse pool's process: ~2 ms of parsing and up
 
 
 def bounded_send(send: Any, stall_s: float) -> Any:
@@ -106,8 +108,9 @@ class ProxyEndpoint:
         reply = Reply(bounded_send(send, gw.config.timeouts.client_stall_s), request_id,
                       self.route, gw.metrics, trace)
         exchange: Exchange | None = None
+        body_bytes = 0
         try:
-            exchange = await self._serve(gw, scope, receive, reply, times)
+            exchange, body_bytes = await self._serve(gw, scope, receive, reply, times)
         except ClientStalled:
             pass  # stalled outside an exchange (an error reply it would not read)
         except Exception as exc:
@@ -120,36 +123,44 @@ class ProxyEndpoint:
             outcome = outcome_of(reply, ended)
             observe(gw.metrics, reply, ended, times, outcome)
             trace.finish(reply.status or 499, outcome.value)
+        gw.trimmer.after(body_bytes)  # a large body's memory goes back once it is freed
 
     async def _serve(self, gw: Gateway, scope: Scope, receive: Any, reply: Reply,
-                     times: RequestTimes) -> Exchange | None:
+                     times: RequestTimes) -> tuple[Exchange | None, int]:
+        """The exchange that ran, if any, and how many bytes of body were read."""
         trace = reply.trace
         if self.app_state.draining:
             await send_error(reply, ServiceUnavailable(
                 "the gateway is shutting down; retry on another replica",
                 retry_after_s=DRAIN_RETRY_AFTER_S, code="draining"), None)
-            return None
+            return None, 0
         span = trace.start(AUTH)
         try:
             tenant = gw.registry.authenticate(header(scope, b"authorization"))
         except GatewayError as err:
             trace.end(span, **{"error.type": err.code or "auth"})
             await send_error(reply, err, None)
-            return None
+            return None, 0
         trace.end(span, **{"sluice.tenant.id": tenant.id})
         trace.set(tenant=tenant.id)
         reply.tenant = tenant.id
+        raw = b""
         try:
             limit = gw.config.max_body_bytes
             if tenant.caps.max_body_bytes is not None:
                 limit = min(limit, tenant.caps.max_body_bytes)
-            body = parse_json_object(await read_body(scope, receive, limit))
+            raw = await read_body(scope, receive, limit)
+            if len(raw) < LARGE_BODY_BYTES:
+                body = parse_json_object(raw)
+            else:  # tens of ms of parsing: in a worker process, tenants in turn
+                body = await parse_body(gw.parse_pool, tenant.id, raw)
             deadline_ms = deadline_header(scope)
         except GatewayError as err:
             await send_error(reply, err, None)
-            return None
+            return None, len(raw)
         except ClientGone:
-            return None
+            return None, len(raw)
+        body_bytes, raw = len(raw), b""  # parsed: the bytes can go now
         gw.metrics.inflight += 1
         exchange = Exchange(gw, self.kind, tenant, reply, times)
         work = asyncio.ensure_future(exchange.run(body, deadline_ms))
@@ -166,7 +177,7 @@ class ProxyEndpoint:
                 work.cancel()
                 await asyncio.gather(work, return_exceptions=True)
             gw.metrics.inflight -= 1
-        return exchange
+        return exchange, body_bytes
 
 
 async def _wait_disconnect(receive: Any) -> None:

@@ -7,13 +7,13 @@ this module adds the gateway's own. ``GatewayError`` is the gateway's name for t
     ├── BadRequest                  400 (bad JSON, types, unsupported field)       protocol
     │   ├── ContextLengthExceeded   400 code=context_length_exceeded               protocol
     │   └── RevisionMismatch        400 code=revision_mismatch, x-should-retry     protocol
-    ├── AuthenticationFailed        401 code=invalid_api_key
+    ├── AuthenticationFailed        401 code=invalid_api_key                       protocol
     ├── PermissionDenied            403 (model or priority outside the tenant's policy)
     ├── ModelNotFound               404 code=model_not_found                       protocol
     ├── NotFound                    404 (unknown route)                            protocol
     ├── MethodNotAllowed            405                                            protocol
     ├── PayloadTooLarge             413 (body bytes or prompt tokens over the cap) protocol
-    ├── RateLimited                 429 + Retry-After (a tenant quota; admission.py)
+    ├── RateLimited                 429 + Retry-After (quota, tokenizations)       protocol
     ├── BadGateway                  502 (the upstream failed: 5xx, broken answer)
     ├── ServiceUnavailable          503 + Retry-After (unreachable, draining)      protocol
     ├── GatewayTimeout              504 (deadline passed, upstream silent past read timeout)
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from protocol.errors import ApiError as GatewayError
 from protocol.errors import (
+    AuthenticationFailed,
     BadRequest,
     ContextLengthExceeded,
     InternalError,
@@ -54,12 +55,6 @@ __all__ = [
     "RevisionMismatch",
     "ServiceUnavailable",
 ]
-
-
-class AuthenticationFailed(GatewayError):
-    status = 401
-    type = "invalid_request_error"
-    code = "invalid_api_key"
 
 
 class PermissionDenied(GatewayError):

@@ -9,6 +9,8 @@ import asyncio
 from collections.abc import Callable, Iterable, Iterator
 
 from policies.breaker import STATE_VALUE
+from protocol.limits import ConnectionCounts
+from protocol.offload import PoolSnapshot
 from telemetry.metrics import (
     CONTENT_TYPE,
     LATENCY_BUCKETS,
@@ -27,6 +29,10 @@ from .usage import LedgerSnapshot
 __all__ = ["CONTENT_TYPE", "GatewayMetrics"]
 
 P = "sluice_gateway_"
+CUT_HELP = ("Requests and connections the HTTP layer cut or refused (protocol/server.py), by "
+            "reason: head_timeout, body_timeout (408), head_too_large, trailers_too_large "
+            "(431), too_many_connections (503), bad_request (400), idle (closed silently: no "
+            "request byte within request_read_s).")
 SLO_LABELS = ("tenant", "model", "priority_class")
 
 
@@ -64,6 +70,8 @@ class GatewayMetrics:
         self.retries: dict[tuple[str, str], int] = {}  # (model, outcome) -> count
         self.failures: dict[tuple[str, str, str], int] = {}  # (model, upstream, reason)
         self.client_stalls = 0
+        self._connections: Callable[[], Iterable[tuple[str, int]]] = \
+            ConnectionCounts().snapshot  # the listener's, once bound
         self._state: tuple[Callable[[], LedgerSnapshot], Callable[[], list[UpstreamSnapshot]],
                            Callable[[], list[QueueSnapshot]],
                            Callable[[], AdmissionSnapshot]] | None = None
@@ -84,6 +92,18 @@ class GatewayMetrics:
         """Where the scrape-time values come from: the parts' snapshots."""
         self._state = (ledger, upstreams, queues, admission)
 
+    def bind_tokenize(self, pool: Callable[[], PoolSnapshot], trims: Callable[[], int],
+                      parsing: Callable[[], PoolSnapshot] | None = None) -> None:
+        """The tokenize and parse pools' snapshots and the Trimmer's count, read at scrape
+        time."""
+        self.registry.collector(lambda: _tokenize(pool(), trims()))
+        if parsing is not None:
+            self.registry.collector(lambda: _parsing(parsing()))
+
+    def bind_connections(self, snapshot: Callable[[], Iterable[tuple[str, int]]]) -> None:
+        """Where the listener's cuts and refusals come from (``ConnectionCounts``)."""
+        self._connections = snapshot
+
     def observe_response(self, route: str, tenant: str, status: int) -> None:
         self.responses.inc(route, tenant, str(status))
 
@@ -93,6 +113,8 @@ class GatewayMetrics:
     def _live(self) -> Iterator[Family]:
         yield Family(P + "inflight_requests", "gauge",
                      "Generation requests in flight.").add(self.inflight)
+        yield _family(P + "connections_cut_total", "counter", CUT_HELP,
+                      ((n, {"reason": r}) for r, n in self._connections()))
         if self._state is None:
             return
         ledger_of, upstreams_of, queues_of, admission_of = self._state
@@ -157,6 +179,34 @@ def _resilience(m: GatewayMetrics, ups: list[UpstreamSnapshot]) -> Iterator[Fami
                  "read nothing for timeouts.client_stall_s.").add(m.client_stalls)
     yield Family(P + "asyncio_tasks", "gauge", "Tasks alive on the gateway's event loop (a "
                  "leak check: it returns to its idle value).").add(_tasks())
+
+
+def _tokenize(pool: PoolSnapshot, trims: int) -> Iterator[Family]:
+    yield Family(P + "tokenize_running", "gauge", "Long prompts being tokenized in the "
+                 "tokenize pool's threads.").add(pool.running)
+    yield Family(P + "tokenize_waiting", "gauge", "Long prompts waiting for a thread of "
+                 "the tokenize pool.").add(pool.waiting)
+    yield Family(P + "tokenize_tenants", "gauge", "Tenants with a long prompt being "
+                 "tokenized or waiting.").add(pool.tenants)
+    yield (Family(P + "tokenize_refused_total", "counter", "Long prompts the tokenize pool "
+                  "refused: tokenize_concurrency (429, the tenant's share is full), "
+                  "tokenizer_busy (503, the queue is full).")
+           .add(pool.refused_tenant, reason="tokenize_concurrency")
+           .add(pool.refused_full, reason="tokenizer_busy"))
+    yield Family(P + "memory_trims_total", "counter", "Freed heap handed back to the system "
+                 "after requests with a body of 1 MiB or more.").add(trims)
+
+
+def _parsing(pool: PoolSnapshot) -> Iterator[Family]:
+    yield Family(P + "parse_running", "gauge", "Large request bodies being parsed in the "
+                 "parse worker process.").add(pool.running)
+    yield Family(P + "parse_waiting", "gauge", "Large request bodies waiting for the parse "
+                 "worker.").add(pool.waiting)
+    yield (Family(P + "parse_refused_total", "counter", "Large request bodies the parse pool "
+                  "refused: too_many_large_bodies (429, the tenant's share is full), "
+                  "large_bodies_busy (503, the queue is full or the worker died).")
+           .add(pool.refused_tenant, reason="too_many_large_bodies")
+           .add(pool.refused_full, reason="large_bodies_busy"))
 
 
 def _tasks() -> int:

@@ -42,11 +42,12 @@ from policies.tenant_store import (
 )
 
 from .config import GatewayConfig, TenantEntry, TenantsFile
+from .tenant_config import describe
 from .tenants import KeyRing, Tenant
 
 log = logging.getLogger("sluice.gateway.registry")
 
-_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")  # fullmatch ("$" would take a trailing newline)
 _LOG_EVERY_S = 10.0
 
 
@@ -83,22 +84,24 @@ class View:
 
 
 def view_of(snapshot: Snapshot) -> View:
-    """Build the rings; a record that does not validate is left out and logged."""
+    """Build the rings; a record that does not validate is left out and logged (the other
+    tenants are served: one bad record never stops a reload)."""
     for rid in snapshot.unreadable:
-        log.error("tenant store: record %r is not valid JSON; left out", rid)
+        log.error("tenant store: record %r cannot be read; left out", rid)
     tenants: dict[str, Tenant] = {}
     for tid, record in snapshot.tenants.items():
         try:
             entry = TenantEntry.model_validate(record)
         except ValidationError as exc:
-            log.error("tenant store: tenant %r is invalid, left out: %s", tid, exc)
+            log.error("tenant store: tenant %a is invalid, left out: %s", tid,
+                      describe(exc)[1])
             continue
         if entry.id == tid:
             tenants[tid] = Tenant.from_entry(entry)
     users: list[tuple[str, str]] = []
     admins: list[tuple[str, str]] = []
     for key in snapshot.keys.values():
-        if _DIGEST.match(key.digest):
+        if _DIGEST.fullmatch(key.digest):
             (users if key.role == "user" else admins).append((key.digest, key.tenant))
     return View(snapshot.version, KeyRing.from_records(tenants, users),
                 KeyRing.from_records(tenants, admins))

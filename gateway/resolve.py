@@ -6,7 +6,8 @@
                (``protocol.versions.ResolvedVersions``)
     prepare    pin checked (400 revision_mismatch), features checked against what the
                upstream implements, priority within the tenant's range (403), prompt tokens
-               counted and capped (413 / 400 context_length_exceeded), max_tokens capped or
+               counted and capped (413 / 400 context_length_exceeded; one that provably
+               exceeds either is refused before it is tokenized), max_tokens capped or
                clamped, degradation applied, the deadline fixed, and the exact body the
                upstream will get
 
@@ -16,7 +17,6 @@ A ``Prepared`` is frozen: later stages read it, none changes it. Errors raised b
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
@@ -25,10 +25,12 @@ from typing import Any
 from policies.degrade import decide
 from protocol.versions import ResolvedVersions, ServedVersions
 
+from .cache_salt import CacheSalter
 from .config import GatewayConfig
 from .contract import ChatRequest, Kind, Request, check_capabilities
 from .errors import (
     BadRequest,
+    GatewayError,
     ModelNotFound,
     PayloadTooLarge,
     PermissionDenied,
@@ -36,6 +38,7 @@ from .errors import (
     ServiceUnavailable,
 )
 from .tenants import Tenant
+from .tokens import OverLimit
 from .upstream import Upstream, UpstreamError
 
 UNREACHABLE_RETRY_AFTER_S = 1.0
@@ -80,9 +83,46 @@ class Prepared:
         return "/v1/chat/completions" if self.kind == "chat" else "/v1/completions"
 
 
-def cache_salt(tenant: Tenant) -> str:
-    """Separates tenants' prefix caches in the engine (no cross-tenant timing channel)."""
-    return hashlib.sha256(b"sluice/cache-salt/v1\0" + tenant.id.encode()).hexdigest()[:32]
+@dataclass(slots=True, frozen=True)
+class PromptLimit:
+    """How many prompt tokens a request may have, and the error past it: the one rule. The
+    counters get ``most`` and refuse early (``OverLimit``) what provably exceeds it; the
+    error for any count over it is ``refusal``'s."""
+
+    field: str  # "messages" or "prompt": what the error names
+    cap: int | None  # the tenant's max_prompt_tokens
+    context: int | None  # the model's max_model_len, where counts are exact
+    estimated: bool  # the count is an upper bound (ByteCounter)
+
+    @classmethod
+    def of(cls, kind: Kind, up: Upstream, tenant: Tenant) -> PromptLimit:
+        exact = up.counter.exact
+        return cls("messages" if kind == "chat" else "prompt", tenant.caps.max_prompt_tokens,
+                   up.max_model_len if exact else None, not exact)
+
+    @property
+    def most(self) -> int | None:
+        """The largest count allowed (None: no limit): within the cap, below the context."""
+        bounds = [n for n in (self.cap, None if self.context is None else self.context - 1)
+                  if n is not None]
+        return min(bounds, default=None)
+
+    def check(self, tokens: int) -> None:
+        most = self.most
+        if most is not None and tokens > most:
+            raise self.refusal(tokens)
+
+    def refusal(self, tokens: int, at_least: bool = False) -> GatewayError:
+        """The error for a prompt of ``tokens`` (more than ``most``): 413 prompt_too_long
+        over the tenant's cap, else 400 context_length_exceeded."""
+        has = f"at least {tokens}" if at_least else f"{tokens}"
+        if self.context is None or (self.cap is not None and tokens > self.cap):
+            how = " (an upper bound: this model's tokens are estimated from UTF-8 bytes)" \
+                if self.estimated else ""
+            return PayloadTooLarge(f"the prompt has {has} tokens{how}; your limit is "
+                                   f"{self.cap}", self.field, code="prompt_too_long")
+        return BadRequest(f"this model's maximum context length is {self.context} tokens; "
+                          f"the prompt has {has}", self.field, code="context_length_exceeded")
 
 
 class Resolver:
@@ -93,12 +133,15 @@ class Resolver:
     def __init__(self, config: GatewayConfig, upstreams: Mapping[str, Upstream],
                  refresh: Callable[[Upstream], Awaitable[None]],
                  load: Callable[[Upstream], float],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 salter: CacheSalter | None = None) -> None:
         self.config = config
         self.upstreams = upstreams
         self.refresh = refresh
         self.load = load
         self.clock = clock
+        # the tenant's cache_salt: an HMAC under the gateway's key (gateway/cache_salt.py)
+        self.salter = salter or CacheSalter.for_process()
         # one stamp per (model, tenant policy) while the versions stay: it computes its
         # fingerprint and header once, not per request
         self._stamps: dict[tuple[str, str], ResolvedVersions] = {}
@@ -178,8 +221,13 @@ class Resolver:
 
         payload: Any = req.messages if isinstance(req, ChatRequest) else req.prompt
         tools = req.tools if isinstance(req, ChatRequest) else None
-        prompt_tokens = await up.counter.count(kind, payload, tools)
-        self._check_prompt(kind, up, tenant, prompt_tokens)
+        limit = PromptLimit.of(kind, up, tenant)
+        try:
+            prompt_tokens = await up.counter.count(kind, payload, tools, tenant=tenant.id,
+                                                   limit=limit.most)
+        except OverLimit as over:  # refused before encoding: provably over ``limit.most``
+            raise limit.refusal(over.at_least, at_least=True) from None
+        limit.check(prompt_tokens)
 
         out = dict(body)
         out["model"] = up.served_name
@@ -188,7 +236,7 @@ class Resolver:
         if "priority" in up.capabilities:
             out["priority"] = priority
         if "cache_salt" in up.capabilities:
-            out["cache_salt"] = cache_salt(tenant)
+            out["cache_salt"] = self.salter.salt(tenant.id)
         max_tokens, clamped = _limit_tokens(req, out, tenant)
         degraded = target.fallback
         if degraded is None and tenant.degrade is not None:
@@ -218,20 +266,6 @@ class Resolver:
             body=out, worst_case=prompt_tokens + generated, pin=pin, clamped=clamped,
             deadline=deadline, total_timeout=total_timeout, degraded=degraded,
             prefix_key=up.router.prefix_key(tenant.id, payload))
-
-    def _check_prompt(self, kind: Kind, up: Upstream, tenant: Tenant, prompt_tokens: int) -> None:
-        field_name = "messages" if kind == "chat" else "prompt"
-        cap = tenant.caps.max_prompt_tokens
-        if cap is not None and prompt_tokens > cap:
-            how = "" if up.counter.exact else " (an upper bound: this model's tokens are " \
-                                              "estimated from UTF-8 bytes)"
-            raise PayloadTooLarge(f"the prompt has {prompt_tokens} tokens{how}; your limit is "
-                                  f"{cap}", field_name, code="prompt_too_long")
-        if up.max_model_len is not None and up.counter.exact \
-                and prompt_tokens >= up.max_model_len:
-            raise BadRequest(f"this model's maximum context length is {up.max_model_len} "
-                             f"tokens; the prompt has {prompt_tokens}", field_name,
-                             code="context_length_exceeded")
 
     def _degrade(self, tenant: Tenant, priority: int, up: Upstream, max_tokens: int | None,
                  out: dict[str, Any]) -> tuple[int | None, str | None]:

@@ -21,9 +21,12 @@ import httpx
 from opentelemetry import trace
 
 from policies.retry_budget import RetryBudget, RetryPolicy
+from protocol.memory import Trimmer
+from protocol.offload import TokenizePool, WorkPool, parse_pool
 from telemetry import Telemetry
 
 from .admission import Admission
+from .cache_salt import CacheSalter
 from .config import GatewayConfig, TenantsFile
 from .metrics import GatewayMetrics
 from .queue import DispatchQueue
@@ -108,6 +111,9 @@ class Gateway:
     queues: dict[str, DispatchQueue]  # one per pool member, by member key
     retry_budget: RetryBudget
     resolver: Resolver
+    tokenize_pool: TokenizePool  # long prompts of local tokenizers, off the event loop
+    parse_pool: WorkPool  # large bodies parsed in a worker process, tenants in turn
+    trimmer: Trimmer = field(default_factory=Trimmer)  # memory back after large bodies
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -123,6 +129,7 @@ class Gateway:
         await self.refresher.refresh_all()
         self.admission.start()
         self.refresher.start()
+        self.trimmer.start()
 
     async def aclose(self) -> None:
         await self.refresher.aclose()
@@ -132,15 +139,21 @@ class Gateway:
         await self.admission.aclose()
         for up in self.upstreams.values():
             await up.aclose()
+        self.tokenize_pool.close()
+        self.parse_pool.close()
+        await self.trimmer.aclose()
         # flushes queued spans and pushes the last metrics (blocking I/O: off the loop)
         await asyncio.to_thread(self.telemetry.shutdown)
 
 
 def build_gateway(config: GatewayConfig, tenants: TenantsFile,
                   transport: httpx.AsyncBaseTransport | None = None,
-                  telemetry: Telemetry | None = None) -> Gateway:
-    """Build every part and wire it; ``transport`` replaces httpx's network (tests)."""
-    upstreams = {m.name: Upstream(m, config, transport) for m in config.models}
+                  telemetry: Telemetry | None = None,
+                  salter: CacheSalter | None = None) -> Gateway:
+    """Build every part and wire it; ``transport`` replaces httpx's network (tests);
+    ``salter`` derives the tenants' cache_salt (default: a random key for this process)."""
+    tokenize_pool = TokenizePool(config.tokenize.settings())
+    upstreams = {m.name: Upstream(m, config, transport, tokenize_pool) for m in config.models}
     refresher = Refresher(upstreams, config.refresh_interval_s)
     # Telemetry first: the metrics live in its registry (Prometheus and OTLP read it).
     telemetry = telemetry or Telemetry.create("sluice-gateway", config.telemetry,
@@ -166,7 +179,12 @@ def build_gateway(config: GatewayConfig, tenants: TenantsFile,
     metrics.bind(ledger.snapshot, lambda: [u.snapshot() for u in upstreams.values()],
                  lambda: [queue.snapshot() for _, queue in sorted(queues.items())],
                  admission.snapshot)
-    resolver = Resolver(config, upstreams, refresher.refresh, lambda up: pool_load(up, queues))
+    trimmer = Trimmer()
+    parsing = parse_pool()
+    metrics.bind_tokenize(tokenize_pool.snapshot, lambda: trimmer.trims, parsing.snapshot)
+    resolver = Resolver(config, upstreams, refresher.refresh, lambda up: pool_load(up, queues),
+                        salter=salter)
     return Gateway(config=config, registry=Registry(config, tenants), upstreams=upstreams,
                    refresher=refresher, ledger=ledger, telemetry=telemetry, metrics=metrics,
-                   admission=admission, queues=queues, retry_budget=budget, resolver=resolver)
+                   admission=admission, queues=queues, retry_budget=budget, resolver=resolver,
+                   tokenize_pool=tokenize_pool, trimmer=trimmer, parse_pool=parsing)

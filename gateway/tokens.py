@@ -11,11 +11,22 @@ Three counters, chosen per model by ``tokenizer:`` in gateway.yaml:
   least one byte, and the JSON quoting, keys and braces around each message outweigh the few
   special tokens a chat template adds. Settlement corrects it from the usage the upstream
   reports.
+
+Cheap checks first. Given a ``limit`` (the most prompt tokens the request may have: the
+tenant's cap, the context), the two exact counters apply the lower bound of
+``protocol.prompt_bound`` (UTF-8 bytes ÷ the tokenizer's longest token: from ``modelfiles``
+for a local tokenizer, from the upstream's ``/v1/models`` entry otherwise) and raise
+``OverLimit`` when it exceeds the limit. On the event loop, to the request's texts alone:
+O(1) per message (the contract caps their number), no tokenizing, nothing posted. A local
+tokenizer applies it again in its worker, to the rendered prompt (template markup and tools
+included), before encoding it. A long prompt is rendered and tokenized in the gateway's
+``protocol.offload.TokenizePool`` (threads, fair across tenants, 429/503 when full); a short
+one on the event loop, where a thread hop would cost more than the work.
 """
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import hashlib
 import json
 from collections import OrderedDict
@@ -26,21 +37,46 @@ from typing import Any, Protocol
 import httpx
 
 from modelfiles.errors import ModelFileError
+from protocol.contract import check_render_size
+from protocol.errors import RateLimited
+from protocol.http import digits
+from protocol.offload import TokenizePool
+from protocol.prompt_bound import PromptBound
 
-from .errors import BadGateway, BadRequest, ServiceUnavailable
+from .errors import BadGateway, BadRequest, GatewayError, ServiceUnavailable
 
 BYTE_BOUND_OVERHEAD = 16
-_OFFLOAD_BYTES = 32 * 1024  # tokenize larger inputs in a worker thread, off the event loop
 _CACHE_SIZE = 4096
+_MAX_RETRY_DIGITS = 9  # an upstream's Retry-After: up to ~11 days (ms), else ignored
+
+
+class OverLimit(Exception):
+    """The prompt provably has more tokens than the limit asked about; it was not
+    encoded. ``at_least`` is the lower bound that shows it."""
+
+    def __init__(self, at_least: int) -> None:
+        super().__init__(f"at least {at_least} tokens")
+        self.at_least = at_least
 
 
 class TokenCounter(Protocol):
     exact: bool
     name: str
 
-    async def count(self, kind: str, payload: Any, tools: Any = None) -> int:
-        """Prompt tokens of a chat (``payload`` = messages) or completion (the prompt)."""
+    async def count(self, kind: str, payload: Any, tools: Any = None, *, tenant: str = "",
+                    limit: int | None = None) -> int:
+        """Prompt tokens of a chat (``payload`` = messages) or completion (the prompt);
+        raises ``OverLimit`` when it provably has more than ``limit``, before any
+        tokenizing. ``tenant`` is whose work it is (the tokenizing pool's fairness)."""
         ...
+
+
+def check_bound(bound: PromptBound | None, kind: str, payload: Any, limit: int | None) -> None:
+    """Raise ``OverLimit`` if the request's texts alone provably exceed ``limit`` tokens."""
+    if bound is not None and limit is not None:
+        at_least = bound.over(kind, payload, limit)
+        if at_least is not None:
+            raise OverLimit(at_least)
 
 
 def _json_bytes(value: Any) -> bytes:
@@ -55,24 +91,6 @@ def _token_ids(prompt: Any) -> list[int] | None:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
         return _token_ids(prompt[0])
     return None
-
-
-def _text_size(payload: Any) -> int:
-    """About how much text there is to tokenize, without serializing it (hot path)."""
-    if isinstance(payload, str):
-        return len(payload)
-    if not isinstance(payload, list):
-        return 0
-    n = 0
-    for item in payload:
-        if isinstance(item, str):
-            n += len(item)
-        elif isinstance(item, dict):
-            content = item.get("content")
-            n += len(content) if isinstance(content, str) else len(str(content))
-        else:
-            n += 8  # a token id, or a list of them
-    return n
 
 
 class _Lru:
@@ -96,7 +114,8 @@ class ByteCounter:
     exact = False
     name = "bytes"
 
-    async def count(self, kind: str, payload: Any, tools: Any = None) -> int:
+    async def count(self, kind: str, payload: Any, tools: Any = None, *, tenant: str = "",
+                    limit: int | None = None) -> int:
         ids = _token_ids(payload) if kind == "completion" else None
         if ids is not None:
             return len(ids)
@@ -111,7 +130,7 @@ class LocalCounter:
 
     exact = True
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, pool: TokenizePool | None = None) -> None:
         from modelfiles.tokenizer import Tokenizer
 
         if str(model_dir) == "tiny":
@@ -125,29 +144,45 @@ class LocalCounter:
         self.name = f"local:{model_dir}"
         self.tokenizer_sha256 = self.tokenizer.sha256
         self.template_sha256 = self.tokenizer.chat_template_sha256
+        self.bound = PromptBound.of(self.tokenizer.longest_token)  # reads the vocabulary
+        self.pool = pool or TokenizePool()
 
-    def _count(self, kind: str, payload: Any, tools: Any) -> int:
+    def _count(self, kind: str, payload: Any, tools: Any, limit: int | None) -> tuple[int, int]:
+        """(tokens, characters tokenized): in a pool thread for a long prompt, on the loop
+        for a short one. Rendered, then bounded (``OverLimit``, before any encoding), then
+        counted (``Tokenizer.count``: no list of ids built, and the GIL released)."""
         tok = self.tokenizer
         try:
             if kind == "chat":
+                check_render_size(payload, tools)
                 text = tok.apply_chat_template(payload, add_generation_prompt=True, tools=tools)
-                return len(tok.encode(text, add_special_tokens=False))
-            ids = _token_ids(payload)
-            if ids is not None:
-                return len(ids)
-            if isinstance(payload, list) and len(payload) == 1:
-                payload = payload[0]
-            if not isinstance(payload, str):
-                raise BadRequest("prompt must be a string or a list of token ids", "prompt")
-            return len(tok.encode(payload))
+                special = False  # the rendered template carries its own (bos)
+            else:
+                if isinstance(payload, list) and len(payload) == 1:
+                    payload = payload[0]
+                if not isinstance(payload, str):
+                    raise BadRequest("prompt must be a string or a list of token ids", "prompt")
+                text, special = payload, True
         except ModelFileError as exc:
             raise BadRequest(f"cannot render the prompt: {exc}",
                              "messages" if kind == "chat" else "prompt") from None
+        if self.bound is not None and limit is not None:
+            at_least = self.bound.over_text(text, limit)
+            if at_least is not None:
+                raise OverLimit(at_least)
+        return tok.count(text, add_special_tokens=special), len(text)
 
-    async def count(self, kind: str, payload: Any, tools: Any = None) -> int:
-        if _text_size(payload) > _OFFLOAD_BYTES:
-            return await asyncio.to_thread(self._count, kind, payload, tools)
-        return self._count(kind, payload, tools)
+    async def count(self, kind: str, payload: Any, tools: Any = None, *, tenant: str = "",
+                    limit: int | None = None) -> int:
+        if kind == "completion":
+            ids = _token_ids(payload)
+            if ids is not None:
+                return len(ids)
+        check_bound(self.bound, kind, payload, limit)
+        if not self.pool.is_long(payload, tools):
+            return self._count(kind, payload, tools, limit)[0]
+        return await self.pool.run(tenant, functools.partial(self._count, kind, payload,
+                                                             tools, limit))
 
 
 class UpstreamCounter:
@@ -157,32 +192,45 @@ class UpstreamCounter:
     name = "upstream"
 
     def __init__(self, client: httpx.AsyncClient, model: str, version_key: Any,
-                 servers: Callable[[], list[str]] | None = None) -> None:
+                 servers: Callable[[], list[tuple[str, bool]]] | None = None,
+                 bound: Callable[[], PromptBound | None] = lambda: None) -> None:
         self._client = client
-        self._servers = servers  # a pool's base URLs, healthiest first: tried in turn
+        self._bound = bound  # what the upstream last reported (``Upstream.refresh``)
+        # a pool's (base URL, is a sluice backend), healthiest first: tried in turn; only a
+        # sluice backend is told the tenant (its pool's fairness), as the relay does
+        self._servers = servers
         self._model = model
         self._version_key = version_key  # callable -> str naming tokenizer + template
         self._cache = _Lru()
 
-    async def count(self, kind: str, payload: Any, tools: Any = None) -> int:
+    async def count(self, kind: str, payload: Any, tools: Any = None, *, tenant: str = "",
+                    limit: int | None = None) -> int:
         if kind == "completion":
             ids = _token_ids(payload)
             if ids is not None:
                 return len(ids)
             if isinstance(payload, list) and len(payload) == 1:
                 payload = payload[0]
-        key = hashlib.blake2b(
-            str(self._version_key()).encode() + b"\0" + kind.encode() + b"\0"
-            + _json_bytes(payload), digest_size=16).digest()
+        check_bound(self._bound(), kind, payload, limit)
+        if kind == "chat":  # what the upstream would refuse: before serializing it here
+            check_render_size(payload)
+        # serialized once, on the loop (json.dumps holds the GIL anywhere): the key and the post
+        body = _json_bytes({"model": self._model,
+                            "messages" if kind == "chat" else "prompt": payload})
+        key = hashlib.blake2b(str(self._version_key()).encode() + b"\0" + body,
+                              digest_size=16).digest()
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        body: dict[str, Any] = {"model": self._model}
-        body["messages" if kind == "chat" else "prompt"] = payload
-        resp = await self._post(body)
+        resp = await self._post(body, tenant)
         if resp.status_code == 400:
             message = _error_message(resp) or "the upstream refused the prompt"
             raise BadRequest(message, "messages" if kind == "chat" else "prompt")
+        if resp.status_code in (429, 503):  # its tokenizing pool is busy (for this tenant)
+            err: GatewayError = (RateLimited if resp.status_code == 429 else ServiceUnavailable)(
+                _error_message(resp) or "the upstream cannot count tokens right now",
+                retry_after_s=_retry_after(resp))
+            raise err
         if resp.status_code != 200:
             raise BadGateway(f"the upstream's /v1/tokenize answered {resp.status_code}")
         try:
@@ -193,16 +241,29 @@ class UpstreamCounter:
         return count
 
 
-    async def _post(self, body: dict[str, Any]) -> httpx.Response:
-        urls = self._servers() if self._servers is not None else [""]
-        for i, base in enumerate(urls):
+    async def _post(self, body: bytes, tenant: str) -> httpx.Response:
+        servers = self._servers() if self._servers is not None else [("", False)]
+        for i, (base, sluice) in enumerate(servers):
+            headers = {"content-type": "application/json"}
+            if tenant and sluice:
+                headers["x-sluice-tenant"] = tenant
             try:
-                return await self._client.post(base + "/v1/tokenize", json=body)
+                return await self._client.post(base + "/v1/tokenize", content=body,
+                                               headers=headers)
             except httpx.TransportError as exc:
-                if i == len(urls) - 1:
+                if i == len(servers) - 1:
                     raise ServiceUnavailable(f"the upstream cannot count tokens: "
                                              f"{type(exc).__name__}", retry_after_s=1.0) from None
         raise AssertionError("unreachable")
+
+
+def _retry_after(resp: httpx.Response) -> float:
+    """The upstream's Retry-After (``retry-after-ms`` first), or 1 s if it names none."""
+    for name, scale in (("retry-after-ms", 1000), ("retry-after", 1)):
+        value = digits(resp.headers.get(name), _MAX_RETRY_DIGITS)
+        if value is not None:
+            return value / scale
+    return 1.0
 
 
 def _error_message(resp: httpx.Response) -> str | None:

@@ -22,6 +22,9 @@ from typing import Any
 import httpx
 
 from policies.breaker import BreakerPolicy, State
+from protocol.http import digits
+from protocol.offload import TokenizePool
+from protocol.prompt_bound import PromptBound
 from protocol.versions import RESOLVED_HEADER, ServedVersions
 
 from .config import GatewayConfig, ModelEntry, StaticVersions
@@ -78,7 +81,8 @@ class UpstreamSnapshot:
 
 class Upstream:
     def __init__(self, entry: ModelEntry, config: GatewayConfig,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None,
+                 tokenize_pool: TokenizePool | None = None) -> None:
         self.entry = entry
         self.name = entry.name
         self.served_name = entry.served_name
@@ -118,6 +122,9 @@ class Upstream:
         self.kv_tokens: int | None = entry.capacity.kv_tokens
         self.max_seqs: int | None = entry.capacity.max_seqs
         self.max_model_len: int | None = None
+        # the upstream tokenizer's longest token, as its /v1/models entry reports it
+        self.token_bound: PromptBound | None = None
+        self.tokenize_pool = tokenize_pool
         self.last_ok: float | None = None
         self.last_error: str | None = None
         self.counter: TokenCounter = self._make_counter()
@@ -130,13 +137,15 @@ class Upstream:
             return ByteCounter()
         if mode == "upstream":
             return UpstreamCounter(self.client, self.served_name, self._tokenizer_key,
-                                   self._servers)
-        return LocalCounter(mode.removeprefix("local:"))
+                                   self._servers, lambda: self.token_bound)
+        return LocalCounter(mode.removeprefix("local:"), self.tokenize_pool)
 
-    def _servers(self) -> list[str]:
-        """The pool's sluice servers, those whose breaker is closed first."""
+    def _servers(self) -> list[tuple[str, bool]]:
+        """The pool's sluice servers, those whose breaker is closed first: (URL, whether it
+        is a sluice backend)."""
         ours = [m for m in self.members if m.kind == "sluice"] or self.members
-        return [m.url for m in sorted(ours, key=lambda m: not m.breaker.available())]
+        return [(m.url, m.kind == "sluice")
+                for m in sorted(ours, key=lambda m: not m.breaker.available())]
 
     def _tokenizer_key(self) -> str:
         v = self.versions
@@ -178,6 +187,7 @@ class Upstream:
                          self.versions, new)
             self.versions = new
             self.reported_header = reported
+            self.token_bound = PromptBound.from_report(entry)
             self._check_local_tokenizer()
         first = self.members[0]
         self.kv_tokens, self.max_seqs = first.kv_tokens, first.max_seqs
@@ -235,7 +245,7 @@ class Upstream:
             log.warning("model %s: the local tokenizer %s differs from the upstream's; "
                         "counting tokens through the upstream instead", self.name, counter.name)
             self.counter = UpstreamCounter(self.client, self.served_name, self._tokenizer_key,
-                                           self._servers)
+                                           self._servers, lambda: self.token_bound)
 
     async def probe(self) -> tuple[bool, str]:
         """Is the pool answering now? Ready while at least one server is."""
@@ -286,8 +296,8 @@ async def error_from(resp: Response, model: str) -> GatewayError:
         # 401/403/404 from the upstream mean the gateway is misconfigured, not the client.
         log.warning("model %s: upstream answered %d: %s", model, status, message)
         if status == 503:
-            retry = resp.header("retry-after")
-            wait = float(retry) if retry and retry.isdigit() else UPSTREAM_RETRY_AFTER_S
+            retry = digits(resp.header("retry-after"))  # the upstream's: a bad one is ignored
+            wait = float(retry) if retry is not None else UPSTREAM_RETRY_AFTER_S
             return ServiceUnavailable(f"the model {model!r} is unavailable right now",
                                       retry_after_s=wait)
         return BadGateway(f"the model {model!r} failed (upstream HTTP {status})")
@@ -297,8 +307,8 @@ async def error_from(resp: Response, model: str) -> GatewayError:
     out.status = status
     out.type = "invalid_request_error"
     if status == 429:
-        retry = resp.header("retry-after")
-        out.retry_after_s = float(retry) if retry and retry.isdigit() else None
+        retry = digits(resp.header("retry-after"))
+        out.retry_after_s = float(retry) if retry is not None else None
     return out
 
 

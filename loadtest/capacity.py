@@ -2,7 +2,8 @@
 directly, at 1x and 2x the capacity the sweep finds (python -m loadtest.capacity).
 
 One `sluice up` (gateway + bundled tiny backend) serves both targets: the gateway's URL, and
-its backend's URL with no admission in front. Runs never overlap. The workload is
+its backend's URL with no admission in front (reached with the backend's API key, which
+this run makes and hands to `sluice up`). Runs never overlap. The workload is
 configs/workloads/capacity.yaml (short Q&A, long context, long generation; two tenants;
 two priorities; gamma bursts; 10% cancellations).
 
@@ -17,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -33,6 +35,7 @@ from loadtest.workload import Workload, load_workload
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = REPO_ROOT / "configs" / "workloads" / "capacity.yaml"
 KEYS = {"SLUICE_CAP_KEY_ALPHA": "sk-cap-alpha", "SLUICE_CAP_KEY_BETA": "sk-cap-beta"}
+BACKEND_KEY_ENV = "SLUICE_BACKEND_API_KEY"  # `sluice up` gives the backend this key
 INTERACTIVE = "interactive"
 MODEL = "sluice-small"
 WARMUP_S = 15.0
@@ -93,15 +96,23 @@ def print_table(runs: dict[str, Measurement], capacity: float | None,
         print(f"  {c['target']:<58} {value:>8}  {'PASS' if c['pass'] else 'MISS'}")
 
 
-async def experiment(gw: str, backend: str, out: Path, probes: int) -> dict[str, Any]:
+def keyed(w: Workload, key: str) -> Workload:
+    """``w`` with every class sending ``key``: the backend's API key, for the direct runs
+    (the backend checks that key alone; tenants are the gateway's)."""
+    return w.model_copy(update={"classes": [c.model_copy(update={"key": key, "key_env": None})
+                                            for c in w.classes]})
+
+
+async def experiment(gw: str, backend: str, out: Path, probes: int,
+                     backend_key: str) -> dict[str, Any]:
     w = load_workload(WORKLOAD).model_copy(update={"model": MODEL})
     base = w.mean_rate()
     cal_gw = await calibrate(gw, None, w)
-    cal_direct = await calibrate(backend, None, w)
+    cal_direct = await calibrate(backend, None, keyed(w, backend_key))
 
     async def probe(wl: Workload, label: str) -> Measurement:
         return await measure_workload(wl, gw, None, scrape=[backend], label=label,
-                                      calibration=cal_gw)
+                                      calibration=cal_gw, scrape_key=backend_key)
 
     # A first, discarded run at the configured rate: the first minutes of a fresh backend
     # (allocator, first long prompts) are slower, and would fail the first probe.
@@ -118,8 +129,10 @@ async def experiment(gw: str, backend: str, out: Path, probes: int) -> dict[str,
                                    ("gateway_2x", gw, cal_gw, 2.0),
                                    ("direct_1x", backend, cal_direct, 1.0),
                                    ("direct_2x", backend, cal_direct, 2.0)):
-        m = await measure_workload(w.scaled(rate * factor / base), url, None,
-                                   scrape=[backend], label=name, calibration=cal)
+        wl = w.scaled(rate * factor / base)
+        m = await measure_workload(wl if url == gw else keyed(wl, backend_key), url, None,
+                                   scrape=[backend], label=name, calibration=cal,
+                                   scrape_key=backend_key)
         m.report["capacity_rps"] = capacity
         m.sweep = curve if name.startswith("gateway") else []
         write_measurement(out / name, w, m)
@@ -142,7 +155,7 @@ def write_small_model(out: Path) -> Path:
     return out
 
 
-def start_up(workdir: Path, tenants: Path, model: Path, max_seqs: int,
+def start_up(workdir: Path, tenants: Path, model: Path, max_seqs: int, backend_key: str,
              reserve: float = 0.0) -> tuple[Service, str, str]:
     """`sluice up` in its own process group on free ports: (service, gateway, backend).
 
@@ -163,6 +176,7 @@ def start_up(workdir: Path, tenants: Path, model: Path, max_seqs: int,
             cwd=REPO_ROOT, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,
             env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1",
+                 BACKEND_KEY_ENV: backend_key,
                  # the gateway keeps this share of the backend for interactive (priority 0)
                  "SLUICE_QUEUE__RESERVE_SHARE": str(reserve),
                  "SLUICE_QUEUE__RESERVE_PRIORITY": "0"})
@@ -196,14 +210,15 @@ def main(argv: list[str] | None = None) -> int:
         tenants.write_text(tenants_yaml())
         try:
             model = write_small_model(Path(tmp) / "small-model")
+            backend_key = secrets.token_urlsafe(24)
             up, gw, backend = start_up(Path(tmp), tenants, model, args.max_num_seqs,
-                                       args.reserve)
+                                       backend_key, args.reserve)
         except TargetError as exc:
             print(f"capacity: sluice up did not start: {exc}", file=sys.stderr)
             return 1
         try:
             print(f"sluice up: gateway {gw}, backend {backend}", flush=True)
-            asyncio.run(experiment(gw, backend, out, args.probes))
+            asyncio.run(experiment(gw, backend, out, args.probes, backend_key))
         except KeyboardInterrupt:
             print("capacity: interrupted", file=sys.stderr)
             return 130

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -60,7 +61,8 @@ async def run_command(w: Workload, args: argparse.Namespace) -> Measurement:
     async def probe(wl: Workload, label: str) -> Measurement:
         return await measure_workload(wl, target, args.key, timeout_s=args.timeout,
                                       scrape=args.scrape, progress=progress, label=label,
-                                      calibration=cal)
+                                      calibration=cal,
+                                      scrape_key=os.environ.get(args.scrape_key_env) or None)
 
     if not args.sweep:
         return await probe(w, "")
@@ -115,6 +117,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-probes", type=int, default=8, help="runs the sweep may use")
     p.add_argument("--scrape", action="append", default=[], metavar="URL",
                    help="also scrape URL/metrics (e.g. the backend behind a gateway)")
+    p.add_argument("--scrape-key-env", default="SLUICE_BACKEND_API_KEY", metavar="NAME",
+                   help="the --scrape URLs get $NAME, where set, as their bearer key (a "
+                        "bundled backend's /metrics needs its API key; default "
+                        "SLUICE_BACKEND_API_KEY)")
     p.add_argument("--timeout", type=float, default=60.0,
                    help="per-request client timeout in s (a class's deadline_ms wins)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -25,6 +25,7 @@ import asyncio
 import json
 import os
 import random
+import secrets
 import signal
 import sys
 import tempfile
@@ -56,11 +57,14 @@ class Stack:
         kv = ["--kv-blocks", str(kv_blocks)] if kv_blocks else []
         self.backends: list[Service] = []
         self.gateway: Service | None = None
+        # the backends' API key: they get it, the gateway sends it (api_key_env)
+        key = {"SLUICE_BACKEND_API_KEY": secrets.token_urlsafe(24)}
+        self.backend_headers = {"authorization": f"Bearer {key['SLUICE_BACKEND_API_KEY']}"}
         for _ in range(2):
             p = free_port()
             self.backends.append(_spawn(f"backend-{p}", [
                 sys.executable, "-m", "sluice.cli", "backend", "--model", "tiny", "--port",
-                str(p), "--log-level", "warning", *kv], p, tmp))
+                str(p), "--log-level", "warning", *kv], p, tmp, env=key))
         self.urls = [f"http://127.0.0.1:{b.port}" for b in self.backends]
         for b in self.backends:
             _ready(self, b, "/health")
@@ -75,11 +79,12 @@ class Stack:
             "queue": {"max_len": 4096},
             "resilience": {"breaker": {"consecutive_failures": 5, "cooldown_s": COOLDOWN_S}},
             "models": [{"name": "sluice-tiny", "upstreams": self.urls, "kind": "sluice",
-                        "tokenizer": "local:tiny", "routing": routing}]}))
+                        "tokenizer": "local:tiny", "routing": routing,
+                        "api_key_env": "SLUICE_BACKEND_API_KEY"}]}))
         self.url = f"http://127.0.0.1:{port}"
         self.gateway = _spawn("gateway", [sys.executable, "-m", "sluice.cli", "gateway",
                                           "--config", str(tmp / "gateway.yaml"),
-                                          "--log-level", "warning"], port, tmp)
+                                          "--log-level", "warning"], port, tmp, env=key)
         _ready(self, self.gateway, "/readyz")
 
     def metric(self, prefix: str) -> float:
@@ -92,7 +97,8 @@ class Stack:
         out = []
         for url in self.urls:
             try:
-                out.append(httpx.get(url + "/v1/state", timeout=5).json())
+                out.append(httpx.get(url + "/v1/state", headers=self.backend_headers,
+                                     timeout=5).json())
             except httpx.HTTPError:
                 out.append({})
         return out

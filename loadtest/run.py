@@ -59,9 +59,11 @@ async def measure_workload(w: Workload, base_url: str, key: str | None, *,
                            progress: bool = True, label: str = "",
                            calibration: tuple[Calibration, bool] | None = None,
                            capacity_rps: float | None = None,
-                           prompt_salt: int | None = None) -> Measurement:
+                           prompt_salt: int | None = None,
+                           scrape_key: str | None = None) -> Measurement:
     """Run ``w`` once against ``base_url``. Prompts are new for every run (a random salt)
-    unless ``prompt_salt`` pins them."""
+    unless ``prompt_salt`` pins them. ``scrape_key`` is the bearer key sent to the
+    ``scrape`` URLs (a bundled backend's /metrics needs its API key), not to the target."""
     base_url = base_url.rstrip("/").removesuffix("/v1")
     cal, continuous = calibration or await calibrate(base_url, key, w)
     target = Target(base_url, key, timeout_s, continuous)
@@ -71,12 +73,15 @@ async def measure_workload(w: Workload, base_url: str, key: str | None, *,
                          {g.name: g.count for g in w.prefix_groups})
     keys = {c.name: c.api_key(key) for c in w.classes}
     urls = [base_url] + [u for u in scrape or [] if u.rstrip("/") != base_url]
+    scrape_keys = {u: scrape_key for u in scrape or []} if scrape_key else None
     if progress:
         bar, done = _progress(len(plan), label or f"{w.name} @ {w.mean_rate():.3g} rps")
         with bar:
-            result = await run_schedule(w, plan, target, prompts, keys, urls, done)
+            result = await run_schedule(w, plan, target, prompts, keys, urls, done,
+                                        scrape_keys=scrape_keys)
     else:
-        result = await run_schedule(w, plan, target, prompts, keys, urls)
+        result = await run_schedule(w, plan, target, prompts, keys, urls,
+                                    scrape_keys=scrape_keys)
     report, details, ms = summarize(w, result, capacity_rps)
     details["calibration"] = {"per_word_tokens": round(cal.per_word, 4),
                               "overhead_tokens": round(cal.overhead, 2),

@@ -11,7 +11,7 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import httpx
@@ -54,8 +54,10 @@ def lag_p99(records: list[Record]) -> float:
 
 async def run_schedule(w: Workload, plan: list[Planned], target: Target, prompts: PromptBook,
                        keys: dict[str, str | None], scrape_urls: list[str] | None = None,
-                       on_done: Callable[[Record], None] | None = None) -> RunResult:
-    """Send every planned request at its time; wait for them all (each is bounded)."""
+                       on_done: Callable[[Record], None] | None = None,
+                       scrape_keys: Mapping[str, str] | None = None) -> RunResult:
+    """Send every planned request at its time; wait for them all (each is bounded).
+    ``scrape_keys``: the bearer key of a scraped base URL that needs one."""
     url = target.base_url + endpoint(w)
     size = pool_size(w, target.timeout_s)
     limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
@@ -68,7 +70,7 @@ async def run_schedule(w: Workload, plan: list[Planned], target: Target, prompts
         t = target.timeout_s if c.deadline_ms is None else min(target.timeout_s,
                                                                  c.deadline_ms / 1000 + 0.5)
         timeouts.append(t)
-    scraper = Scraper(scrape_urls or [])
+    scraper = Scraper(scrape_urls or [], keys=scrape_keys)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None)) as client:
         tasks: set[asyncio.Task[None]] = set()
 

@@ -6,7 +6,8 @@ relative to the run's start, so the timeline plot lines them up with the send ra
 A target without ``/metrics`` (OpenAI itself) just yields no samples: never an error.
 
 Known series: Sluice's gateway and bundled backend, and vLLM's names, so the same report
-works against either.
+works against either. A bundled backend's ``/metrics`` needs its API key: ``keys`` maps a
+base URL to the bearer key sent there (to no other URL).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import httpx
@@ -75,9 +77,12 @@ def parse(text: str) -> dict[str, float]:
 class Scraper:
     """Polls each URL every INTERVAL_S until stopped; keeps what it could read."""
 
-    def __init__(self, base_urls: list[str], interval_s: float = INTERVAL_S) -> None:
+    def __init__(self, base_urls: list[str], interval_s: float = INTERVAL_S,
+                 keys: Mapping[str, str] | None = None) -> None:
         self.urls = [u.rstrip("/") + "/metrics" for u in base_urls]
         self.interval_s = interval_s
+        self.headers = {u.rstrip("/") + "/metrics": {"authorization": f"Bearer {k}"}
+                        for u, k in (keys or {}).items()}
         self.samples: list[Sample] = []
         self._stop = asyncio.Event()
 
@@ -94,7 +99,7 @@ class Scraper:
                     if url in dead:
                         continue
                     try:
-                        resp = await client.get(url)
+                        resp = await client.get(url, headers=self.headers.get(url))
                     except httpx.HTTPError:
                         continue
                     if resp.status_code == 404:

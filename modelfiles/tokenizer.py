@@ -33,6 +33,7 @@ from .chat_template import (
 )
 from .errors import MissingFileError, ModelLoadError, TemplateError
 from .jsonfile import read_json_object
+from .token_bound import LongestToken, longest_token
 
 TOKENIZER_FILE = "tokenizer.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -92,6 +93,7 @@ class Tokenizer:
             if tid is not None
         )
         self._all_special_ids = tuple(sorted(special))
+        self._longest: tuple[LongestToken | None] | None = None
 
 
     @classmethod
@@ -173,12 +175,32 @@ class Tokenizer:
     def backend(self) -> tokenizers.Tokenizer:
         return self._backend
 
+    @property
+    def longest_token(self) -> LongestToken | None:
+        """The widest token in UTF-8 bytes, where a length bound is sound (``token_bound``);
+        read from the whole vocabulary on first use, so read it once at load."""
+        if self._longest is None:
+            self._longest = (longest_token(self._backend),)
+        return self._longest[0]
+
 
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def encode_long(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``encode``, for a long text in a worker thread: the batch call releases the GIL
+        (plain ``encode`` holds it throughout, stalling every other thread) and skips the
+        offsets nobody reads."""
+        return list(self._backend.encode_batch_fast(
+            [text], add_special_tokens=add_special_tokens)[0].ids)
+
+    def count(self, text: str, add_special_tokens: bool = True) -> int:
+        """``len(encode(text))`` without building the list of ids; releases the GIL."""
+        return len(self._backend.encode_batch_fast([text],
+                                                   add_special_tokens=add_special_tokens)[0])
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens))

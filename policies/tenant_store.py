@@ -6,7 +6,8 @@
     ├── NoSuchTenant            a change to a tenant that is not there
     ├── KeyExists               add_key() of a key id that is taken
     ├── NoSuchKey               delete of a key the tenant does not have
-    └── ChangedConcurrently     replace() lost a race: the record changed since it was read
+    ├── ChangedConcurrently     replace() lost a race: the record changed since it was read
+    └── InvalidRecord           get_tenant() of a stored record that is not a JSON object
 
 Invariants both implementations keep (tests/policies/test_tenant_store.py checks them):
 
@@ -19,6 +20,12 @@ Invariants both implementations keep (tests/policies/test_tenant_store.py checks
   written (or seeded): 0 means an empty store (a Redis that lost its data).
 - Deleting a tenant deletes its keys. What the API deletes is remembered, so ``seed()``
   (the tenants file, at every start) never brings it back; it writes only absent records.
+- A record that cannot be read (not a JSON object, nested past the parser, a key record
+  without its string fields), written by hand or by an older version, never fails a read or
+  a write: ``snapshot()`` lists it in ``unreadable``, ``get_tenant()`` raises
+  ``InvalidRecord``, a tenant's delete leaves such a key record alone, and no write stops
+  halfway (each is one Lua script, none of which can fail once it has written). Writes
+  refuse non-finite numbers (``canonical``) before anything is stored.
 """
 
 from __future__ import annotations
@@ -59,8 +66,37 @@ class ChangedConcurrently(StoreError):
     """The tenant record changed between the caller's read and its replace()."""
 
 
-def canonical(record: Record) -> str:
-    return json.dumps(record, sort_keys=True, separators=(",", ":"))
+class InvalidRecord(StoreError):
+    """The stored record is not a JSON object (written by hand, or by an older version)."""
+
+
+def canonical(record: Record, *, strict: bool = True) -> str:
+    """A record's stored form. ``strict`` (every write) refuses NaN and Infinity with a
+    ValueError, before anything is stored; a record read back compares with strict off."""
+    return json.dumps(record, sort_keys=True, separators=(",", ":"), allow_nan=not strict)
+
+
+def parse_record(text: str | bytes) -> Record:
+    """A stored record, which must be a JSON object; ValueError otherwise (never a
+    RecursionError, whatever the nesting)."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    if not isinstance(value, dict):
+        # ValueError, as for text that is not JSON: callers catch one error for both
+        raise ValueError(f"a {type(value).__name__}, not a JSON object")  # noqa: TRY004
+    return value
+
+
+def key_tenant(text: str) -> str | None:
+    """The tenant a stored key record names; None if it names none (tenants_lib.lua's
+    ``key_tenant``, so that both stores delete the same key records with a tenant)."""
+    try:
+        tenant = parse_record(text).get("tenant")
+    except ValueError:
+        return None
+    return tenant if isinstance(tenant, str) else None
 
 
 @dataclass(slots=True, frozen=True)
@@ -76,12 +112,20 @@ class KeyRecord:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> KeyRecord:
-        d = json.loads(text)
-        role = d["role"]
+        """A stored key record; ValueError unless its fields are ASCII strings (``created``
+        an integer) and its role is known."""
+        d = parse_record(text)
+        fields = [d.get(k) for k in ("id", "tenant", "role", "digest")]
+        if not all(isinstance(v, str) and v.isascii() for v in fields):
+            raise ValueError("a key record's id, tenant, role and digest are ASCII strings")
+        kid, tenant, role, digest = cast(list[str], fields)
+        created = d.get("created")
+        if type(created) is not int:
+            raise ValueError("a key record's created is an integer")
         if role not in ROLES:
             raise ValueError(f"unknown key role {role!r}")
-        return cls(id=str(d["id"]), tenant=str(d["tenant"]), role=role,
-                   digest=str(d["digest"]), created=int(d["created"]))
+        return cls(id=kid, tenant=tenant, role=role, digest=digest,
+                   created=created)
 
 
 @dataclass(slots=True, frozen=True)
@@ -89,7 +133,7 @@ class Snapshot:
     version: int
     tenants: dict[str, Record]
     keys: dict[str, KeyRecord]  # by key id
-    unreadable: tuple[str, ...] = ()  # ids of records that are not valid JSON (skipped)
+    unreadable: tuple[str, ...] = ()  # ids of records that cannot be read (skipped)
 
     @classmethod
     def parse(cls, version: int, tenants: dict[str, str | bytes],
@@ -99,13 +143,13 @@ class Snapshot:
         bad: list[str] = []
         for tid, text in tenants.items():
             try:
-                records[tid] = json.loads(text)
-            except ValueError:
+                records[tid] = parse_record(text)
+            except ValueError:  # UnicodeDecodeError included
                 bad.append(tid)
         for kid, text in keys.items():
             try:
                 key_records[kid] = KeyRecord.from_json(text)
-            except (ValueError, KeyError, TypeError):
+            except ValueError:
                 bad.append(kid)
         return cls(version, records, key_records, tuple(bad))
 
@@ -119,7 +163,9 @@ class TenantStore(Protocol):
         """Version and every record, read atomically."""
         ...
 
-    async def get_tenant(self, tenant_id: str) -> Record | None: ...
+    async def get_tenant(self, tenant_id: str) -> Record | None:
+        """The stored record (None if absent); InvalidRecord if it cannot be read."""
+        ...
 
     async def create_tenant(self, record: Record) -> int:
         """Add ``record`` (its ``id`` must be free, else TenantExists); the new version."""
@@ -173,7 +219,7 @@ class MemoryTenantStore:
 
     async def get_tenant(self, tenant_id: str) -> Record | None:
         text = self._records.get(tenant_id)
-        return None if text is None else cast(Record, json.loads(text))
+        return None if text is None else _readable(tenant_id, text)
 
     async def create_tenant(self, record: Record) -> int:
         tid = str(record["id"])
@@ -188,9 +234,9 @@ class MemoryTenantStore:
         current = self._records.get(tid)
         if current is None:
             raise NoSuchTenant(tid)
-        if current != canonical(expected):
-            raise ChangedConcurrently(tid)
         new = canonical(record)
+        if current != canonical(expected, strict=False):
+            raise ChangedConcurrently(tid)
         if new == current:
             return self._version
         self._records[tid] = new
@@ -201,7 +247,7 @@ class MemoryTenantStore:
             raise NoSuchTenant(tenant_id)
         self._deleted.add("t:" + tenant_id)
         for kid, text in list(self._keys.items()):
-            if KeyRecord.from_json(text).tenant == tenant_id:
+            if key_tenant(text) == tenant_id:
                 del self._keys[kid]
                 self._deleted.add("k:" + kid)
         return self._bump()
@@ -216,7 +262,7 @@ class MemoryTenantStore:
 
     async def delete_key(self, tenant_id: str, key_id: str) -> int:
         text = self._keys.get(key_id)
-        if text is None or KeyRecord.from_json(text).tenant != tenant_id:
+        if text is None or key_tenant(text) != tenant_id:
             raise NoSuchKey(key_id)
         del self._keys[key_id]
         self._deleted.add("k:" + key_id)
@@ -224,10 +270,11 @@ class MemoryTenantStore:
 
     async def seed(self, tenants: Sequence[Record], keys: Sequence[KeyRecord]) -> int:
         written = 0
-        for record in tenants:
+        texts = [canonical(r) for r in tenants]  # refuses a bad record before any write
+        for record, text in zip(tenants, texts, strict=True):
             tid = str(record["id"])
             if "t:" + tid not in self._deleted and tid not in self._records:
-                self._records[tid] = canonical(record)
+                self._records[tid] = text
                 written += 1
         for key in keys:
             if key.tenant in self._records and "k:" + key.id not in self._deleted \
@@ -280,12 +327,14 @@ class RedisTenantStore:
                 return await pipe.execute()
 
         version, records, keys = await self._guard(read())
-        return Snapshot.parse(int(version or 0), {k.decode(): v for k, v in records.items()},
-                              {k.decode(): v for k, v in keys.items()})
+        # a field name written by hand may not be UTF-8: its record is then refused by id
+        return Snapshot.parse(int(version or 0),
+                              {k.decode(errors="replace"): v for k, v in records.items()},
+                              {k.decode(errors="replace"): v for k, v in keys.items()})
 
     async def get_tenant(self, tenant_id: str) -> Record | None:
         raw = await self._guard(self._redis.hget(self.keys[1], tenant_id))
-        return None if raw is None else cast(Record, json.loads(raw))
+        return None if raw is None else _readable(tenant_id, raw)
 
     async def create_tenant(self, record: Record) -> int:
         tid = str(record["id"])
@@ -296,7 +345,8 @@ class RedisTenantStore:
 
     async def replace_tenant(self, record: Record, expected: Record) -> int:
         tid = str(record["id"])
-        version = await self._run("tenant_replace", tid, canonical(expected), canonical(record))
+        new = canonical(record)
+        version = await self._run("tenant_replace", tid, canonical(expected, strict=False), new)
         if version == -1:
             raise NoSuchTenant(tid)
         if version == -2:
@@ -342,3 +392,11 @@ class RedisTenantStore:
 
     async def _guard(self, call: Any) -> Any:
         return await guarded(self._redis, self._deadline_s, call)
+
+
+def _readable(tenant_id: str, text: str | bytes) -> Record:
+    try:
+        return parse_record(text)
+    except ValueError as exc:
+        raise InvalidRecord(f"tenant {tenant_id!r}: the stored record cannot be read ({exc})") \
+            from None

@@ -18,7 +18,7 @@ the backend takes it from the gateway).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -34,6 +34,21 @@ from .errors import BadRequest
 
 Kind = Literal["chat", "completion"]
 Number = float  # strict mode still accepts an int for a float field
+# Every integer of a request fits an int64, what the engine (torch, its process wire) holds:
+# a priority of 10**400 stopped the engine's step loop. Fields narrow it further.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+Int = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
+# At most this many chat messages per request, or a 400 naming ``messages``, checked before
+# anything walks them. Rendering a chat template is pure Python, 3-13 µs a message (the
+# bundled template; a tool-calling one): at the cap 6-27 ms of a tokenize worker, where a
+# 4 MiB body of 120,000 empty messages took seconds. docs/gateway.md#limits-on-malformed-input.
+MAX_MESSAGES = 2048
+# At most this many JSON values (array elements and object members, at any depth) in a
+# chat's messages and tools together, or a 400 naming ``messages``. The chat template copies
+# and walks them in pure Python (0.1-1.5 µs each): within this a render stays under ~40 ms,
+# where one message of 130,000 text parts, or 1.3M numbers in an extra key, took 125-180 ms
+# under the message cap. Checked in the tokenize worker, before rendering.
+MAX_PROMPT_VALUES = 65_536
 
 # Every capability a server may have (the names an upstream's ``supports:`` list may use).
 CAPABILITIES = frozenset({
@@ -69,30 +84,30 @@ class GenerationRequest(BaseModel):
     model: StrictStr | None = Field(None, min_length=1)  # the gateway requires it
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
-    max_tokens: StrictInt | None = Field(None, ge=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
     temperature: Number | None = Field(None, ge=0, le=2)
     top_p: Number | None = Field(None, ge=0, le=1)
-    n: StrictInt | None = Field(None, ge=1, le=128)
+    n: Int | None = Field(None, ge=1, le=128)
     stop: StrictStr | list[StrictStr] | None = None
-    seed: StrictInt | None = None
+    seed: Int | None = None
     user: StrictStr | None = None
     presence_penalty: Number | None = Field(None, ge=-2, le=2)
     frequency_penalty: Number | None = Field(None, ge=-2, le=2)
     logit_bias: dict[StrictStr, Number] | None = None
     # vLLM's sampling extensions
-    top_k: StrictInt | None = None
+    top_k: Int | None = None
     min_p: Number | None = Field(None, ge=0, le=1)
     repetition_penalty: Number | None = Field(None, gt=0)
     ignore_eos: StrictBool | None = None
-    stop_token_ids: list[StrictInt] | None = None
-    min_tokens: StrictInt | None = Field(None, ge=0)
+    stop_token_ids: list[Int] | None = None
+    min_tokens: Int | None = Field(None, ge=0)
     service_tier: StrictStr | None = None
     store: StrictBool | None = None
     metadata: dict[StrictStr, StrictStr] | None = None
     # Sluice's extensions
-    priority: StrictInt | None = None
-    deadline_ms: StrictInt | None = Field(None, ge=1)
+    priority: Int | None = None
+    deadline_ms: Int | None = Field(None, ge=1)
     cache_salt: StrictStr | None = None
 
     @property
@@ -109,7 +124,7 @@ class GenerationRequest(BaseModel):
 class ChatRequest(GenerationRequest):
     messages: list[dict[StrictStr, Any]] = Field(min_length=1)
     logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    top_logprobs: Int | None = Field(None, ge=0, le=20)
     tools: list[dict[StrictStr, Any]] | None = None
     tool_choice: StrictStr | dict[StrictStr, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
@@ -120,11 +135,11 @@ class ChatRequest(GenerationRequest):
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
-    logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    prompt: StrictStr | list[Int] | list[StrictStr] | list[list[Int]]
+    logprobs: Int | None = Field(None, ge=0, le=20)
     echo: StrictBool | None = None
     suffix: StrictStr | None = None
-    best_of: StrictInt | None = Field(None, ge=1)
+    best_of: Int | None = Field(None, ge=1)
 
 
 Request = ChatRequest | CompletionRequest
@@ -203,6 +218,7 @@ def parse(kind: Kind, body: dict[str, Any]) -> Request:
 
 def validate(model: type[R], body: dict[str, Any]) -> R:
     """``parse`` with a model of one's own (a subclass with a field made stricter)."""
+    check_message_count(body)
     try:
         req = model.model_validate(body)
     except ValidationError as exc:
@@ -219,6 +235,33 @@ def validate(model: type[R], body: dict[str, Any]) -> R:
             raise BadRequest("batched prompts are not supported: send one prompt per request",
                              "prompt", code="unsupported_parameter")
     return req
+
+
+def check_message_count(body: dict[str, Any]) -> None:
+    """At most ``MAX_MESSAGES`` messages (O(1): before pydantic walks them all)."""
+    messages = body.get("messages")
+    if type(messages) is list and len(messages) > MAX_MESSAGES:
+        raise BadRequest(f"'messages' has {len(messages)} messages; at most {MAX_MESSAGES} "
+                         "are allowed per request", "messages", code="invalid_value")
+
+
+def check_render_size(messages: Any, tools: Any = None) -> None:
+    """At most ``MAX_PROMPT_VALUES`` JSON values in what a chat template renders; counted
+    with exact-type checks, stopping as soon as it is over (for the worker, before the
+    render: ~6 ms at worst)."""
+    total = 0
+    stack = [messages, tools]
+    while stack:
+        item = stack.pop()
+        kind = type(item)
+        if kind is not dict and kind is not list:
+            continue
+        total += len(item)
+        if total > MAX_PROMPT_VALUES:
+            raise BadRequest(f"the messages and tools hold more than {MAX_PROMPT_VALUES} "
+                             "JSON values (array elements and object members); send fewer",
+                             "messages", code="invalid_value")
+        stack.extend(item.values() if kind is dict else item)
 
 
 def check_capabilities(req: Request, model: str, capabilities: frozenset[str]) -> None:
@@ -248,7 +291,7 @@ class TokenizeRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     model: StrictStr | None = None
-    prompt: StrictStr | list[StrictInt] | None = None
+    prompt: StrictStr | list[Int] | None = None
     messages: list[dict[StrictStr, Any]] | None = None
     add_special_tokens: StrictBool | None = None
     add_generation_prompt: StrictBool | None = True
@@ -256,6 +299,7 @@ class TokenizeRequest(BaseModel):
 
 def parse_tokenize(body: dict[str, Any]) -> TokenizeRequest:
     """Validate a tokenize body: exactly one of ``prompt`` and ``messages``."""
+    check_message_count(body)
     try:
         req = TokenizeRequest.model_validate(body)
     except ValidationError as exc:

@@ -1,18 +1,22 @@
 """Errors a Sluice server answers with, always in OpenAI's shape.
 
     ApiError                        status + OpenAI ``type`` / ``code`` / ``param`` + headers
-    ├── BadRequest                  400 invalid_request_error (bad JSON, types, unserved field)
+    ├── BadRequest                  400 invalid_request_error (bad JSON, text, types, field)
     │   ├── ContextLengthExceeded   400 code=context_length_exceeded
     │   └── RevisionMismatch        400 code=revision_mismatch, x-should-retry: false
+    ├── AuthenticationFailed        401 code=invalid_api_key (a tenant's key, the backend's key)
     ├── ModelNotFound               404 code=model_not_found
     ├── NotFound                    404 (unknown route)
     ├── MethodNotAllowed            405
+    ├── RequestTimeout              408 code=request_timeout (a head or body sent too slowly)
     ├── PayloadTooLarge             413 code=request_too_large
+    ├── RateLimited                 429 rate_limit_error + Retry-After (a tenant over its share)
+    ├── HeadTooLarge                431 code=request_header_too_large
     ├── ServiceUnavailable          503 (+ Retry-After when known: overload, draining)
     └── InternalError               500 (a bug; never for bad input, never a stack trace)
 
 The gateway and the bundled backend derive their own errors from ``ApiError`` (the gateway's
-401/403/429/502/504 in ``gateway/errors.py``, the engine's translation in
+403/429/502/504 in ``gateway/errors.py``, the engine's translation in
 ``backend/server/errors.py``).
 
 Retry hints: ``retry-after-ms`` is the wait rounded up to a whole millisecond (at least 1)
@@ -23,8 +27,10 @@ first; a hint of 0 would make them fall back to their own backoff, hence the flo
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+from typing import TypeVar
 
 # A wait computed as 0.1 s is 100.00000000000001 ms in floating point: do not round that up.
 _MS_SLACK = 1e-6
@@ -70,6 +76,17 @@ class ApiError(Exception):
         return out + self.extra_headers
 
 
+E = TypeVar("E", bound=BaseException)
+
+
+def detached(err: E) -> E:
+    """A copy of ``err`` to keep after the request (a reply's or a record's error): no
+    traceback, cause or context. Their frames hold the request's body and lead back to the
+    keeper, a cycle that keeps a large body alive until a GC pass; and ``err`` itself may
+    still be propagating, so it is copied rather than cleared."""
+    return copy.copy(err)  # BaseException.__reduce__ keeps args and __dict__, not those
+
+
 class BadRequest(ApiError):
     status = 400
     type = "invalid_request_error"
@@ -86,6 +103,12 @@ class RevisionMismatch(BadRequest):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, "model", should_retry=False)
+
+
+class AuthenticationFailed(ApiError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
 
 
 class ModelNotFound(ApiError):
@@ -106,10 +129,33 @@ class MethodNotAllowed(ApiError):
     code = "method_not_allowed"
 
 
+class RequestTimeout(ApiError):
+    """The client took too long to send its request (protocol.server's read deadlines)."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
 class PayloadTooLarge(ApiError):
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
+
+
+class RateLimited(ApiError):
+    """A tenant over its share: its quota (gateway admission) or its concurrent
+    tokenizations (``protocol.offload``)."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+
+class HeadTooLarge(ApiError):
+    status = 431
+    type = "invalid_request_error"
+    code = "request_header_too_large"
 
 
 class ServiceUnavailable(ApiError):

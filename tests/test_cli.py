@@ -28,7 +28,7 @@ def test_unknown_command_fails_with_usage() -> None:
 
 
 def test_backend_refuses_a_bad_thread_count(capsys) -> None:
-    assert main(["backend", "--model", "tiny", "--threads", "0"]) == 2
+    assert main(["backend", "--model", "tiny", "--threads", "0", "--no-api-key"]) == 2
     assert "num_threads must be >= 1" in capsys.readouterr().err
 
 
@@ -48,16 +48,16 @@ def test_backend_leaves_a_core_to_its_event_loop(monkeypatch, capsys) -> None:
 
     monkeypatch.setattr(ThreadTransport, "from_config", capture("thread"))
     monkeypatch.setattr(ProcessTransport, "from_config", capture("process"))
-    assert main(["backend", "--model", "tiny"]) == 2
+    assert main(["backend", "--model", "tiny", "--no-api-key"]) == 2
     assert main(["backend", "--model", "tiny", "--threads", "2", "--engine-in-process",
-                 "--fault-step-delay", "2.5"]) == 2
+                 "--fault-step-delay", "2.5", "--no-api-key"]) == 2
     # the fault is a step hook the composition root builds, never an engine setting
     assert seen == [("process", 1, None, None), ("thread", 1, 2, StepDelay(0.0025))]
     assert "stop here" in capsys.readouterr().err
 
 
 def test_backend_refuses_a_bad_fault_step_delay(capsys) -> None:
-    assert main(["backend", "--model", "tiny", "--fault-step-delay", "-1"]) == 2
+    assert main(["backend", "--model", "tiny", "--fault-step-delay", "-1", "--no-api-key"]) == 2
     assert "--fault-step-delay must be in [0, 60000] ms" in capsys.readouterr().err
 
 

@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import random
+import secrets
 import socket
 import subprocess
 import sys
@@ -214,6 +215,7 @@ class HttpSide:
         self.concurrency = concurrency
         self.server_flags = server_flags
         self.idle: list[_Connection] = []
+        self.key = secrets.token_urlsafe(24)  # the server's API key, as the gateway sends it
 
     async def __aenter__(self) -> Self:
         import httpx
@@ -223,7 +225,8 @@ class HttpSide:
             [sys.executable, "-m", "sluice.cli", "backend", "--model", "tiny",
              "--port", str(self.port), "--log-level", "warning", *self.server_flags],
             cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT),
+                 "SLUICE_BACKEND_API_KEY": self.key})
         try:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.port}") as client:
                 await _wait_ready(client, self.proc)
@@ -247,8 +250,9 @@ class HttpSide:
                            "temperature": 0, "ignore_eos": True,
                            "stream_options": {"include_usage": True}}).encode()
         request = (b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                   b"authorization: Bearer %s\r\n"
                    b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                   % (len(body), body))
+                   % (self.key.encode(), len(body), body))
         while True:
             conn = self.idle.pop() if self.idle else None
             if conn is not None and conn.lost:  # the server closed an idle keep-alive one

@@ -10,7 +10,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
@@ -23,13 +23,17 @@ from backend.engine.config import EngineConfig
 from backend.engine.errors import EngineError
 from protocol.errors import ApiError, InternalError, ServiceUnavailable
 from protocol.http import LimitedBody, error_response, exception_handlers, parse_json_object
+from protocol.limits import DEFAULT_BACKEND_MAX_CONNECTIONS, ConnectionCounts, ConnectionLimits
+from protocol.memory import Trimmer
+from protocol.offload import OffloadSettings, TokenizePool
 from telemetry import Telemetry
 
+from .auth import ApiKeyMiddleware
 from .errors import from_engine_error
 from .metrics import CONTENT_TYPE
 from .middleware import RequestContextMiddleware
 from .responses import GenerationResponse
-from .service import ModelService
+from .service import ModelService, tenant_of
 
 log = logging.getLogger("sluice.backend")
 
@@ -44,15 +48,24 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_timeout_s: float = 30.0  # in-flight requests get this long after SIGTERM
     drain_grace_s: float = 0.0  # after SIGTERM, refuse with 503 this long before closing
+    # slow senders cut off, open connections capped (protocol/server.py, serve.py)
+    limits: ConnectionLimits = field(default_factory=lambda: ConnectionLimits(
+        max_connections=DEFAULT_BACKEND_MAX_CONNECTIONS))
     log_level: str = "info"
     access_log: bool = False
+    # long prompts are tokenized in this pool, fair across tenants (protocol/offload.py)
+    tokenize: OffloadSettings = field(default_factory=OffloadSettings)
+    # every route but /health needs "Bearer <api_key>" (backend/server/auth.py); None: open
+    api_key: str | None = field(default=None, repr=False)
 
 
 Handler = Callable[[Request], Awaitable[Response]]
 
 
 def api(handler: Handler) -> Handler:
-    """Map the errors a handler raises to OpenAI-shaped responses (bad input is never 500)."""
+    """Map the errors a handler raises to OpenAI-shaped responses (bad input is never 500).
+    A client gone while its body was read (``ClientDisconnect``) ends quietly: the app's
+    ``exception_handlers`` answer it ``NoAnswer``."""
 
     async def wrapped(request: Request) -> Response:
         try:
@@ -78,7 +91,9 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     body = LimitedBody(limit, request.headers.get("content-length"))
     async for chunk in request.stream():
         body.add(chunk)
-    return parse_json_object(body.body())
+    raw = body.body()
+    request.state.body_bytes = len(raw)  # _App gives a large body's memory back after
+    return parse_json_object(raw)
 
 
 def _generation_route(kind: str) -> Handler:
@@ -92,7 +107,8 @@ def _generation_route(kind: str) -> Handler:
             body = await read_json(request, request.app.state.settings.max_body_bytes)
             model = body.get("model")
             rec.requested_model = model if isinstance(model, str) else None
-            prepared = service.prepare("chat" if kind == "chat" else "completion", body, None)
+            prepared = await service.prepare("chat" if kind == "chat" else "completion",
+                                             body, None, rec.tenant)
         except ApiError as err:
             service.reject(rec, err)
             raise
@@ -103,7 +119,7 @@ def _generation_route(kind: str) -> Handler:
         except ClientDisconnect:
             rec.gone = True
             service.end(rec)
-            raise
+            raise  # ends quietly: exception_handlers answers it NoAnswer
         except Exception as exc:
             service.reject(rec, InternalError(f"internal error: {type(exc).__name__}"))
             raise
@@ -123,12 +139,17 @@ class _App(Starlette):
     Streamed body chunks go straight to it (see ``GenerationResponse``): every layer
     Starlette puts around ``send`` (ServerErrorMiddleware's outermost) acts on the
     response start only, and each costs a coroutine call per token otherwise.
+    Once a request with a large body has ended, its memory is given back (``Trimmer``).
     """
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            scope.setdefault("state", {})["raw_send"] = send
+        if scope["type"] != "http":
+            await super().__call__(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        state["raw_send"] = send
         await super().__call__(scope, receive, send)
+        self.state.trimmer.after(state.get("body_bytes", 0))
 
 
 class _AsResponse(Response):
@@ -148,7 +169,7 @@ class _AsResponse(Response):
 async def tokenize(request: Request) -> Response:
     service = service_of(request)
     body = await read_json(request, request.app.state.settings.max_body_bytes)
-    return JSONResponse(service.tokenize(body))
+    return JSONResponse(await service.tokenize(body, tenant_of(request.scope)))
 
 
 @api
@@ -179,10 +200,12 @@ async def health(request: Request) -> Response:
 
 def create_app(config: EngineConfig | None = None, settings: ServerSettings | None = None,
                *, engine: AsyncEngine | None = None,
-               telemetry: Telemetry | None = None) -> Starlette:
+               telemetry: Telemetry | None = None,
+               connections: ConnectionCounts | None = None) -> Starlette:
     """The server app. Give an already built ``engine`` (not started), or a ``config`` for
     the lifespan to build one from (off the event loop). ``telemetry`` (else one built from
-    the ``OTEL_*`` environment) is the app's from then on: the lifespan shuts it down."""
+    the ``OTEL_*`` environment) is the app's from then on: the lifespan shuts it down.
+    ``connections``: what its listener's protocol counts (``http_protocol``), for /metrics."""
     settings = settings or ServerSettings()
     engine_config = config or EngineConfig()
 
@@ -194,12 +217,18 @@ def create_app(config: EngineConfig | None = None, settings: ServerSettings | No
             if eng is None:
                 eng = await asyncio.to_thread(AsyncEngine.from_config, engine_config)
             await eng.start()
-            service = app.state.service = ModelService(eng, tel)
+            pool = TokenizePool(settings.tokenize)
+            service = app.state.service = ModelService(eng, tel, pool, app.state.trimmer)
+            if connections is not None:
+                service.metrics.bind_connections(connections.snapshot)
+            app.state.trimmer.start()
             try:
                 yield
             finally:
                 await eng.shutdown()  # aborts whatever is still running
                 service.close()  # traces and metrics of requests the engine never ended
+                pool.close()
+                await app.state.trimmer.aclose()
                 app.state.service = None
         finally:
             await asyncio.to_thread(tel.shutdown)  # flushes the last spans
@@ -221,5 +250,8 @@ def create_app(config: EngineConfig | None = None, settings: ServerSettings | No
     app.state.settings = settings
     app.state.draining = False
     app.state.service = None
+    app.state.trimmer = Trimmer()
+    if settings.api_key is not None:  # inside the request context: a 401 carries its id
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(RequestContextMiddleware, app_state=app.state)
     return app

@@ -10,14 +10,20 @@ gap between consecutive output tokens; E2E is request received → response ende
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from backend.engine.outputs import EngineState, OutputDelta
+from protocol.limits import ConnectionCounts
+from protocol.offload import PoolSnapshot
 from telemetry.metrics import CONTENT_TYPE, LATENCY_BUCKETS, TOKEN_BUCKETS, Family, Kind, Registry
 
 __all__ = ["CONTENT_TYPE", "PREFIX", "ServerMetrics"]
 
 PREFIX = "sluice_backend_"
+CUT_HELP = ("Requests and connections the HTTP layer cut or refused (protocol/server.py), by "
+            "reason: head_timeout, body_timeout (408), head_too_large, trailers_too_large "
+            "(431), too_many_connections (503), bad_request (400), idle (closed silently: no "
+            "request byte within request_read_s).")
 SLO_LABELS = ("tenant", "model", "priority_class")
 
 
@@ -70,12 +76,22 @@ class ServerMetrics:
             counter.inc(by=0)  # unlabelled: shown as 0 before the first request
         self._state: Callable[[], EngineState] | None = None
         self._inflight: Callable[[], int] = lambda: 0
+        self._connections: Callable[[], Iterable[tuple[str, int]]] = \
+            ConnectionCounts().snapshot  # the listener's, once bound
         r.collector(self._live)
 
     def bind(self, state: Callable[[], EngineState], inflight: Callable[[], int]) -> None:
         """Where the scrape-time values come from (the engine snapshot, in-flight count)."""
         self._state = state
         self._inflight = inflight
+
+    def bind_tokenize(self, pool: Callable[[], PoolSnapshot], trims: Callable[[], int]) -> None:
+        """The tokenize pool's snapshot and the Trimmer's count, read at scrape time."""
+        self.registry.collector(lambda: _tokenize(pool(), trims()))
+
+    def bind_connections(self, snapshot: Callable[[], Iterable[tuple[str, int]]]) -> None:
+        """Where the listener's cuts and refusals come from (``ConnectionCounts``)."""
+        self._connections = snapshot
 
     def observe_http(self, route: str, status: int) -> None:
         self.http_requests.inc(route, str(status))
@@ -129,6 +145,10 @@ class ServerMetrics:
     def _live(self) -> Iterator[Family]:
         yield Family(PREFIX + "num_requests_inflight", "gauge",
                      "HTTP generation requests in flight.").add(self._inflight())
+        cut = Family(PREFIX + "connections_cut_total", "counter", CUT_HELP)
+        for reason, n in self._connections():
+            cut.add(n, reason=reason)
+        yield cut
         if self._state is None:
             return
         s = self._state()
@@ -168,3 +188,19 @@ class ServerMetrics:
                   s.generated_tokens)
         yield one("engine_aborted_total", "counter", "Requests aborted in the engine.",
                   s.aborted)
+
+
+def _tokenize(pool: PoolSnapshot, trims: int) -> Iterator[Family]:
+    yield Family(PREFIX + "tokenize_running", "gauge", "Long prompts being tokenized in the "
+                 "tokenize pool's threads.").add(pool.running)
+    yield Family(PREFIX + "tokenize_waiting", "gauge", "Long prompts waiting for a thread of "
+                 "the tokenize pool.").add(pool.waiting)
+    yield Family(PREFIX + "tokenize_tenants", "gauge", "Tenants with a long prompt being "
+                 "tokenized or waiting.").add(pool.tenants)
+    yield (Family(PREFIX + "tokenize_refused_total", "counter", "Long prompts the tokenize "
+                  "pool refused: tokenize_concurrency (429, the tenant's share is full), "
+                  "tokenizer_busy (503, the queue is full).")
+           .add(pool.refused_tenant, reason="tokenize_concurrency")
+           .add(pool.refused_full, reason="tokenizer_busy"))
+    yield Family(PREFIX + "memory_trims_total", "counter", "Freed heap handed back to the "
+                 "system after requests with a body of 1 MiB or more.").add(trims)

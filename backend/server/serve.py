@@ -23,6 +23,8 @@ import uvicorn
 from starlette.applications import Starlette
 
 from backend.engine.async_engine import AsyncEngine
+from protocol.limits import ConnectionCounts
+from protocol.server import fit_file_limit, http_protocol
 from telemetry import Telemetry
 
 from .app import ServerSettings, create_app
@@ -61,11 +63,16 @@ def serve(engine: AsyncEngine, settings: ServerSettings,
           telemetry: Telemetry | None = None) -> int:
     """Serve ``engine`` (built, not started) until SIGTERM/SIGINT; returns an exit code.
     ``telemetry`` (else one from the ``OTEL_*`` environment) is shut down on the way out."""
-    app = create_app(settings=settings, engine=engine, telemetry=telemetry)
+    connections = ConnectionCounts()  # what the protocol cuts and refuses, for /metrics
+    app = create_app(settings=settings, engine=engine, telemetry=telemetry,
+                     connections=connections)
+    fit_file_limit(settings.limits)
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
+        # slow senders cut off, connections capped
+        http=http_protocol(settings.limits, connections),
         log_level=settings.log_level,
         access_log=settings.access_log,
         timeout_graceful_shutdown=max(0.1, settings.shutdown_timeout_s),  # type: ignore[arg-type]  # typed int, but uvicorn hands it to asyncio.wait_for: a float works

@@ -6,10 +6,20 @@ request ids in flight. Each generation request has a ``RequestRecord`` from ``be
 ``end``; it is finished (metrics observed, spans emitted) once both the handler has ended
 and, if the engine ran it, the engine's final output has arrived, which for a client that
 left comes through ``AsyncEngine.on_final`` after the handler is gone.
+
+Prompts are tokenized cheaply first. One that provably exceeds the context
+(``protocol.prompt_bound``: UTF-8 bytes ÷ the tokenizer's longest token) is refused with 400
+context_length_exceeded before it is encoded: on the event loop from its texts alone (O(1)
+per message), and again where it is tokenized, from the rendered chat template (markup
+included), before encoding. A short prompt is tokenized on the event loop; a long one is
+rendered and tokenized in the tokenize pool (``protocol.offload``), fair across the tenants
+the gateway names in ``x-sluice-tenant`` (direct callers are one anonymous tenant), with
+429/503 + Retry-After when a tenant or the pool is at its limit.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -28,10 +38,15 @@ from protocol.contract import (
     ChatRequest,
     Kind,
     check_capabilities,
+    check_render_size,
     parse,
     parse_tokenize,
 )
-from protocol.errors import ApiError, BadRequest, ModelNotFound, RevisionMismatch
+from protocol.errors import ApiError, BadRequest, ModelNotFound, RevisionMismatch, detached
+from protocol.memory import Trimmer
+from protocol.offload import TokenizePool
+from protocol.prompt_bound import FIELD as TOKEN_BOUND_FIELD
+from protocol.prompt_bound import PromptBound
 from telemetry import Telemetry, extract, priority_class
 
 from .errors import from_model_file_error
@@ -75,8 +90,31 @@ def header(scope: Mapping[str, Any], name: bytes) -> str | None:
     return None
 
 
+def one_prompt(prompt: object) -> str | list[int]:
+    """A completion's one prompt: a string, or token ids (a list of one of them counts)."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            return one_prompt(prompt[0])
+        if prompt and all(type(t) is int for t in prompt):
+            return list(prompt)
+        if prompt and all(isinstance(t, (str, list)) for t in prompt):
+            raise BadRequest("batched prompts are not supported: send one prompt "
+                             "per request", "prompt")
+    raise BadRequest("prompt must be a non-empty string or list of token ids", "prompt")
+
+
+def tenant_of(scope: Mapping[str, Any]) -> str:
+    """The tenant the gateway names (trusted: only it holds the API key), or NO_TENANT."""
+    tenant = (header(scope, b"x-sluice-tenant") or "").strip()[:MAX_TENANT_LEN]
+    return tenant or NO_TENANT
+
+
 class ModelService:
-    def __init__(self, engine: AsyncEngine, telemetry: Telemetry | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, telemetry: Telemetry | None = None,
+                 tokenize_pool: TokenizePool | None = None,
+                 trimmer: Trimmer | None = None) -> None:
         if engine.info is None:
             raise ValueError("the service needs an engine built from a config (engine.info)")
         self.engine = engine
@@ -85,6 +123,8 @@ class ModelService:
         self.versions = engine.info.versions
         self.model_name = engine.info.model_name
         self.max_model_len = engine.info.limits.max_model_len
+        self.token_bound = PromptBound.of(self.tokenizer.longest_token)  # reads the vocabulary
+        self.tokenize_pool = tokenize_pool or TokenizePool()
         self.fingerprint = self.versions.fingerprint()
         self.resolved_header = self.versions.header_value().encode("latin-1", "replace")
         self.created = int(time.time())
@@ -95,6 +135,8 @@ class ModelService:
         self.tracer = self.telemetry.tracer
         self.metrics = ServerMetrics(self.telemetry.registry)
         self.metrics.bind(engine.state, lambda: self.num_inflight)
+        trims = (lambda: trimmer.trims) if trimmer is not None else (lambda: 0)
+        self.metrics.bind_tokenize(self.tokenize_pool.snapshot, trims)
         self.clock = engine.clock  # the engine's timestamps are on this clock
         self._records: dict[str, RequestRecord] = {}  # in the engine, not finished yet
         v = self.versions.versions
@@ -134,30 +176,64 @@ class ModelService:
         raise ModelNotFound(f"the model {model!r} does not exist; this server serves "
                             f"{self.model_name!r}", "model")
 
-    def encode_messages(self, messages: list[dict[str, Any]],
-                        add_generation_prompt: bool = True) -> list[int]:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The chat template's text for ``messages`` (its own special tokens included)."""
         try:
-            text = self.tokenizer.apply_chat_template(
+            return self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt)
         except ModelFileError as exc:
             raise from_model_file_error(exc) from exc
-        # The rendered template carries its own special tokens (bos), as with HF/vLLM.
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def encode_prompt(self, prompt: object) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, list):
-            if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-                return self.encode_prompt(prompt[0])
-            if prompt and all(isinstance(t, int) for t in prompt):
-                return list(prompt)
-            if prompt and all(isinstance(t, (str, list)) for t in prompt):
-                raise BadRequest("batched prompts are not supported: send one prompt "
-                                 "per request", "prompt")
-        raise BadRequest("prompt must be a non-empty string or list of token ids", "prompt")
+    def _tokenize(self, kind: Kind, value: Any, flag: bool, limit: int | None,
+                  long: bool) -> tuple[list[int], int]:
+        """(token ids, characters tokenized) of a chat's messages (``flag``: add the
+        generation prompt) or a completion's prompt (``flag``: add special tokens). The
+        text is rendered, then bounded against ``limit`` (``PromptTooLongError`` before any
+        encoding: the bound applies to exactly what would be encoded), then encoded: in a
+        pool thread when ``long`` (the GIL released), else here."""
+        if kind == "chat":
+            check_render_size(value)
+            text, special = self.render(value, flag), False  # the template has its bos
+        else:
+            prompt = one_prompt(value)
+            if not isinstance(prompt, str):
+                return prompt, 0  # token ids need no tokenizing
+            text, special = prompt, flag
+        if limit is not None and self.token_bound is not None:
+            at_least = self.token_bound.over_text(text, limit)
+            if at_least is not None:
+                raise self.too_long(kind, at_least, at_least=True)
+        encode = self.tokenizer.encode_long if long else self.tokenizer.encode
+        return encode(text, add_special_tokens=special), len(text)
 
-    def prepare(self, kind: Kind, body: dict[str, Any], request_id: str | None) -> Prepared:
+    async def tokenize_prompt(self, tenant: str, kind: Kind, value: Any, flag: bool = True,
+                              limit: int | None = None) -> list[int]:
+        """``_tokenize``: here when short, else in the tenant's share of the pool (429 / 503
+        when that is full). ``limit``: refuse a prompt provably over it, untokenized."""
+        pool = self.tokenize_pool
+        ids = kind == "completion" and isinstance(value, list) and bool(value) \
+            and type(value[0]) is int
+        if ids or not pool.is_long(value):  # token ids need no pool
+            return self._tokenize(kind, value, flag, limit, False)[0]
+        return await pool.run(tenant, functools.partial(self._tokenize, kind, value, flag,
+                                                        limit, True))
+
+    def too_long(self, kind: Kind, tokens: int, at_least: bool = False) -> PromptTooLongError:
+        has = f"at least {tokens}" if at_least else f"{tokens}"
+        return PromptTooLongError(f"this model's maximum context length is "
+                                  f"{self.max_model_len} tokens; the prompt has {has}",
+                                  "messages" if kind == "chat" else "prompt")
+
+    def check_bound(self, kind: Kind, payload: Any) -> None:
+        """Refuse, untokenized, a prompt whose texts alone provably exceed the context."""
+        if self.token_bound is None:
+            return
+        at_least = self.token_bound.over(kind, payload, self.max_model_len - 1)
+        if at_least is not None:
+            raise self.too_long(kind, at_least, at_least=True)
+
+    async def prepare(self, kind: Kind, body: dict[str, Any], request_id: str | None,
+                      tenant: str = NO_TENANT) -> Prepared:
         """Validate a chat or completion body; raises ApiError or engine errors.
 
         The field policy is the gateway's (``protocol.contract``), checked against what the
@@ -165,15 +241,13 @@ class ModelService:
         req = parse(kind, body)
         self.check_model(req.model)
         check_capabilities(req, self.model_name, SLUICE_CAPABILITIES)
-        if isinstance(req, ChatRequest):
-            prompt_ids = self.encode_messages(req.messages)
-        else:
-            prompt_ids = self.encode_prompt(req.prompt)
+        payload = req.messages if isinstance(req, ChatRequest) else req.prompt
+        self.check_bound(kind, payload)
+        prompt_ids = await self.tokenize_prompt(tenant, kind, payload,
+                                                limit=self.max_model_len - 1)
         n = len(prompt_ids)
         if n >= self.max_model_len:
-            raise PromptTooLongError(
-                f"this model's maximum context length is {self.max_model_len} tokens; "
-                f"the prompt has {n}", "messages" if kind == "chat" else "prompt")
+            raise self.too_long(kind, n)
         params = sampling_params(req, n, self.max_model_len)
         self.engine.validate(prompt_ids, params)
         return Prepared(
@@ -189,16 +263,15 @@ class ModelService:
     def begin(self, scope: Mapping[str, Any], kind: str) -> RequestRecord:
         """The record of a generation request, from its headers (the gateway sends the
         trusted ``x-sluice-tenant`` and the W3C ``traceparent``/``tracestate``)."""
-        tenant = (header(scope, b"x-sluice-tenant") or "").strip()[:MAX_TENANT_LEN]
         parent = None
         if self.telemetry.tracing:
             parent = extract(header(scope, b"traceparent"), header(scope, b"tracestate"))
-        return RequestRecord(scope["state"]["request_id"], kind, tenant or NO_TENANT,
+        return RequestRecord(scope["state"]["request_id"], kind, tenant_of(scope),
                              self.clock(), parent)
 
     def reject(self, rec: RequestRecord, err: ApiError) -> None:
         """The request was refused before the engine saw it."""
-        rec.error = err
+        rec.error = detached(err)  # no traceback: its frames would hold the request's body
         rec.status = err.status
         self.end(rec)
 
@@ -258,16 +331,15 @@ class ModelService:
         self._records.clear()
 
     # ---- read-only endpoints ------------------------------------------------------------
-    def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def tokenize(self, body: dict[str, Any], tenant: str = NO_TENANT) -> dict[str, Any]:
         req = parse_tokenize(body)
         self.check_model(req.model)
         if req.messages is not None:
-            tokens = self.encode_messages(req.messages, bool(req.add_generation_prompt))
-        elif isinstance(req.prompt, str):
-            add = True if req.add_special_tokens is None else req.add_special_tokens
-            tokens = self.tokenizer.encode(req.prompt, add_special_tokens=add)
+            tokens = await self.tokenize_prompt(tenant, "chat", req.messages,
+                                                bool(req.add_generation_prompt))
         else:
-            tokens = self.encode_prompt(req.prompt)
+            add = True if req.add_special_tokens is None else req.add_special_tokens
+            tokens = await self.tokenize_prompt(tenant, "completion", req.prompt, add)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len}
 
     def models(self) -> dict[str, Any]:
@@ -278,6 +350,8 @@ class ModelService:
             "revision": v.revision, "tokenizer": v.tokenizer, "chat_template": v.chat_template,
             "engine": v.engine, "system_fingerprint": self.fingerprint,
             "resolved": self.versions.as_dict(),
+            **({} if self.token_bound is None
+               else {TOKEN_BOUND_FIELD: self.token_bound.report()}),
         }]}
 
     def state(self) -> dict[str, Any]:

@@ -5,7 +5,7 @@ if redis.call('HDEL', K_RECORDS, id) == 0 then return 0 end
 redis.call('SADD', K_DELETED, 't:' .. id)
 local all = redis.call('HGETALL', K_KEYS)
 for i = 1, #all, 2 do
-  if cjson.decode(all[i + 1]).tenant == id then
+  if key_tenant(all[i + 1]) == id then
     redis.call('HDEL', K_KEYS, all[i])
     redis.call('SADD', K_DELETED, 'k:' .. all[i])
   end

@@ -24,3 +24,12 @@ local function bump()
   ensure_version()
   return redis.call('INCR', K_VERSION)
 end
+
+-- The tenant of a stored key record, or nil if the record is not a JSON object: a record
+-- written by hand or by an older version never raises (a script that failed after its first
+-- write would leave that write behind; Redis does not roll a script back).
+local function key_tenant(text)
+  local ok, rec = pcall(cjson.decode, text)
+  if ok and type(rec) == 'table' then return rec.tenant end
+  return nil
+end

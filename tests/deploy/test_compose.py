@@ -149,3 +149,23 @@ def test_the_image_sources_hold_every_package() -> None:
 def test_dockerignore_keeps_caches_and_venv_out() -> None:
     ignored = set((REPO / ".dockerignore").read_text().split())
     assert {".git", ".venv", "**/__pycache__", ".pytest_cache", "docker/models"} <= ignored
+
+
+def test_the_backend_is_keyed_and_every_caller_has_the_key() -> None:
+    services = raw_compose()["services"]
+    key = "${SLUICE_BACKEND_API_KEY:-}"  # no default: the operator sets it
+    assert services["backend"]["environment"]["SLUICE_BACKEND_API_KEY"] == key
+    gateway = services["gateway"]["environment"]
+    assert gateway["SLUICE_BACKEND_API_KEY"] == key
+    assert gateway["SLUICE_CACHE_SALT_KEY"] == "${SLUICE_CACHE_SALT_KEY:-}"  # one for all
+    (model,) = load_gateway_config(DOCKER / "config" / "gateway.yaml", env={}).models
+    assert model.api_key_env == "SLUICE_BACKEND_API_KEY"
+    # Prometheus scrapes the backend's /metrics with it, from the file its entrypoint writes
+    prometheus = services["prometheus"]
+    assert prometheus["environment"]["SLUICE_BACKEND_API_KEY"] == key
+    jobs = {j["job_name"]: j for j in yaml.safe_load(
+        (DOCKER / "prometheus.yml").read_text())["scrape_configs"]}
+    auth = jobs["sluice-backend"]["authorization"]
+    assert auth["type"] == "Bearer"
+    assert auth["credentials_file"] in " ".join(prometheus["entrypoint"])
+    assert "exec /bin/prometheus" in " ".join(prometheus["entrypoint"])

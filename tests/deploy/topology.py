@@ -30,6 +30,10 @@ from loadtest.targets import (
 
 PROXY_CONF = REPO_ROOT / "docker" / "nginx-proxy.conf"
 ADMIN_KEY = "sk-deploy-operator"
+# as docker/compose.yaml passes them: the backend's key to it and to both gateways, and one
+# cache-salt key shared by the replicas (each refuses to start without it: replicas = 2)
+BACKEND_KEY = "sk-deploy-backend"
+SALT_KEY = "deploy-cache-salt-key-0123456789abcdef"
 OPEN_KEY = "sk-deploy-open"  # tenant `open`: no quotas
 METERED_KEY = "sk-deploy-metered"  # tenant `metered`: tokens_per_minute = METERED_TPM
 METERED_TPM = 300
@@ -87,7 +91,8 @@ def spawn(name: str, argv: list[str], port: int, workdir: Path,
     """A child in its own session (stopping it stops its workers); SLUICE_* and OTEL_*
     variables of the caller are dropped, so each process runs on its own config only."""
     return _spawn(name, argv, port, workdir, env,
-                  unset=tuple(k for k in os.environ if k.startswith(("SLUICE_", "OTEL_"))))
+                  unset=tuple(k for k in os.environ if k.startswith(("SLUICE_", "OTEL_"))
+                              and k not in (env or {})))
 
 
 def write_configs(workdir: Path, redis_url: str, backend_port: int, paced_ports: list[int],
@@ -108,7 +113,7 @@ def write_configs(workdir: Path, redis_url: str, backend_port: int, paced_ports:
             "shutdown_timeout_s": 2,
             "models": [
                 {"name": TINY, "upstream": f"http://127.0.0.1:{backend_port}", "kind": "sluice",
-                 "tokenizer": "local:tiny"},
+                 "tokenizer": "local:tiny", "api_key_env": "SLUICE_BACKEND_API_KEY"},
                 *({"name": name, "upstream": f"http://127.0.0.1:{port}", "kind": "openai",
                    "tokenizer": "bytes",
                    "versions": {"revision": "r1", "tokenizer": "bytes", "engine": "fake"}}
@@ -179,7 +184,8 @@ def start_topology(workdir: Path) -> Topology:
         backend_port, paced_port, long_port = free_port(), free_port(), free_port()
         backend = spawn("backend", [*sluice, "backend", "--model", "tiny", "--port",
                                     str(backend_port), "--threads", "1",
-                                    "--log-level", "warning"], backend_port, workdir)
+                                    "--log-level", "warning"], backend_port, workdir,
+                        env={"SLUICE_BACKEND_API_KEY": BACKEND_KEY})
         started.append(backend)
         paced = spawn("paced", [*sluice, "fake-upstream", "--port", str(paced_port),
                                 "--chunks", str(PACED_CHUNKS), "--delay-ms",
@@ -200,7 +206,9 @@ def start_topology(workdir: Path) -> Topology:
         for i, (port, config) in enumerate(zip(ports, configs, strict=True)):
             gateways.append(spawn(f"gateway{i}", [*sluice, "gateway", "--config", str(config),
                                                   "--log-level", "warning"], port, workdir,
-                                  env={"SLUICE_ADMIN_KEY": ADMIN_KEY}))
+                                  env={"SLUICE_ADMIN_KEY": ADMIN_KEY,
+                                       "SLUICE_BACKEND_API_KEY": BACKEND_KEY,
+                                       "SLUICE_CACHE_SALT_KEY": SALT_KEY}))
             started.append(gateways[-1])
         for gateway in gateways:
             wait_ready(gateway, "/healthz", 120)

@@ -26,7 +26,9 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig, TenantsFile
-from tests.backend.server.conftest import free_port
+from protocol.limits import ConnectionCounts
+from protocol.server import http_protocol
+from tests.backend.server.conftest import BACKEND_KEY, backend_env, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ALPHA = "sk-demo-alpha"
@@ -39,12 +41,20 @@ class SluiceUp:
     backend_url: str
     proc: subprocess.Popen[bytes]
     log_path: Path
+    backend_key: str | None = None  # None: `sluice up` made one and kept it to itself
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    @property
+    def backend_headers(self) -> dict[str, str]:
+        """What a request straight to the bundled backend needs."""
+        return {} if self.backend_key is None else {
+            "authorization": f"Bearer {self.backend_key}"}
+
     def backend_state(self) -> dict[str, Any]:
-        return httpx.get(self.backend_url + "/v1/state", timeout=5).json()
+        return httpx.get(self.backend_url + "/v1/state", headers=self.backend_headers,
+                         timeout=5).json()
 
     def metrics(self) -> str:
         return httpx.get(self.url + "/metrics", timeout=5).text
@@ -60,16 +70,19 @@ class SluiceUp:
         return int(self.proc.returncode)
 
 
-def start_sluice_up(tmp_dir: Path, *extra: str, timeout: float = 180.0) -> SluiceUp:
+def start_sluice_up(tmp_dir: Path, *extra: str, timeout: float = 180.0,
+                    backend_key: str | None = BACKEND_KEY) -> SluiceUp:
+    """`sluice up` with ``backend_key`` in $SLUICE_BACKEND_API_KEY (so that tests can read
+    the backend's state); None: `sluice up` makes the key itself, as it does by default."""
     port, backend_port = free_port(), free_port()
     log_path = tmp_dir / f"up-{port}.log"
     cmd = [sys.executable, "-m", "sluice.cli", "up", "--port", str(port),
            "--backend-port", str(backend_port), "--log-level", "warning", *extra]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+                                env=backend_env(backend_key))
     up = SluiceUp(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{backend_port}", proc,
-                  log_path)
+                  log_path, backend_key)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -98,10 +111,12 @@ class ThreadedGateway:
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.port = config.listen.port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.app = create_app(config, tenants, transport=transport)
+        counts = ConnectionCounts()
+        self.app = create_app(config, tenants, transport=transport, connections=counts)
         self.server = uvicorn.Server(uvicorn.Config(
             self.app, host="127.0.0.1", port=self.port, log_level="warning",
-            lifespan="on", timeout_graceful_shutdown=5))
+            lifespan="on", timeout_graceful_shutdown=5,
+            http=http_protocol(config.connection_limits(), counts)))  # as `sluice gateway`
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.send_buffer_bytes = config.listen.send_buffer_bytes

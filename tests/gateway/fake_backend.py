@@ -32,6 +32,8 @@ class FakeBackend:
         self.revision = "a" * 64
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []  # of each generation request
+        self.tokenized: list[dict[str, str]] = []  # the headers of each /v1/tokenize
+        self.token_bound: dict[str, Any] | None = None  # reported in /v1/models if set
         self.aborted = 0  # streams the client (the gateway) left before the end
         self.finished = 0
         self.release = threading.Event()
@@ -79,14 +81,17 @@ class FakeBackend:
         return {"x-sluice-resolved": self.header()}
 
     async def _models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.name, "object": "model", "max_model_len": 4096,
-            "revision": self.revision, "resolved": self.resolved()}]}, headers=self._headers())
+        entry = {"id": self.name, "object": "model", "max_model_len": 4096,
+                 "revision": self.revision, "resolved": self.resolved()}
+        if self.token_bound is not None:
+            entry["token_bound"] = self.token_bound
+        return JSONResponse({"object": "list", "data": [entry]}, headers=self._headers())
 
     async def _health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
     async def _tokenize(self, request: Request) -> Response:
+        self.tokenized.append(dict(request.headers))
         body = await request.json()
         text = json.dumps(body.get("messages") or body.get("prompt"))
         return JSONResponse({"count": len(text.split()), "tokens": []})

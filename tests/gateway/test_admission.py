@@ -143,8 +143,10 @@ def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     server.stop()
 
 
-def test_redis_outage_fail_closed_and_open_then_recovery(fake: FakeBackend,
-                                                          redis: RedisServer) -> None:
+def test_redis_outage_fail_closed_and_open_then_recovery(
+        fake: FakeBackend, redis: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    # two replicas salt alike only with one shared key: without it the gateway refuses
+    monkeypatch.setenv("SLUICE_CACHE_SALT_KEY", "k" * 32)
     ts = TenantsFile(tenants=[
         TenantEntry(id="closed", keys=[hash_key("sk-closed")], fail_mode="closed",
                     quotas=QuotasConfig(requests_per_minute=1000)),

@@ -60,7 +60,7 @@ def all_free(s: dict[str, Any]) -> bool:
 
 def backend_successes(up: SluiceUp) -> int:
     """Requests the engine ran to completion (the backend's own count)."""
-    text = httpx.get(up.backend_url + "/metrics", timeout=5).text
+    text = httpx.get(up.backend_url + "/metrics", headers=up.backend_headers, timeout=5).text
     assert "# TYPE sluice_backend_requests_total counter" in text
     return sum(int(float(n)) for n in re.findall(
         r'^sluice_backend_requests_total\{[^}]*outcome="success"[^}]*\} (\S+)$', text,

@@ -33,7 +33,8 @@ def test_chat_is_answered_and_stamped(sluice_up: SluiceUp) -> None:
     assert chat.usage is not None and chat.usage.completion_tokens <= 8
     assert chat.usage.prompt_tokens > 0
     # The gateway's stamp names the backend's revision: the same as the backend reports.
-    backend = httpx.get(sluice_up.backend_url + "/v1/models").json()["data"][0]
+    backend = httpx.get(sluice_up.backend_url + "/v1/models",
+                        headers=sluice_up.backend_headers).json()["data"][0]
     assert f"revision={backend['revision'][:12]}" in resolved
     assert f"chat_template={backend['chat_template'][:12]}" in resolved
     # The fingerprint covers the policy: the other tenant gets another one.
@@ -68,7 +69,8 @@ def test_streaming_with_usage_reports_exact_counts(sluice_up: SluiceUp) -> None:
     assert all(c.usage is None for c in chunks[:-1])
     # the exact prompt count equals what the backend's tokenizer says
     count = httpx.post(sluice_up.backend_url + "/v1/tokenize", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}).json()["count"]
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}]},
+        headers=sluice_up.backend_headers).json()["count"]
     assert usage.prompt_tokens == count
 
 

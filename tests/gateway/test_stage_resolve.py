@@ -16,7 +16,7 @@ from gateway.errors import (
     PermissionDenied,
     RevisionMismatch,
 )
-from gateway.resolve import Prepared, Resolver, cache_salt
+from gateway.resolve import Prepared, Resolver
 from gateway.tenants import Tenant
 from tests.gateway.stage_kit import VERSIONS, config, gateway, tenant
 
@@ -45,7 +45,7 @@ async def test_a_prepared_request_is_frozen_and_carries_the_worst_case() -> None
     assert p.worst_case == p.prompt_tokens + 50 and not p.prompt_exact  # bytes upper bound
     assert p.stamp.versions.revision == VERSIONS.revision
     assert p.body["model"] == "fake-model" and "deadline_ms" not in p.body
-    assert p.body["priority"] == 3 and p.body["cache_salt"] == cache_salt(p.tenant)
+    assert p.body["priority"] == 3 and p.body["cache_salt"] == r.salter.salt(p.tenant.id)
     assert p.deadline is not None and p.path == "/v1/chat/completions"
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.backend.server.conftest import Backend, start_backend
+from tests.backend.server.conftest import BACKEND_KEY, Backend, start_backend
 
 from .conftest import ALPHA, start_sluice_up
 
@@ -19,14 +19,15 @@ def backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
     from modelfiles.tiny_model import ensure_tiny_model
 
     ensure_tiny_model()
-    b = start_backend(tmp_path_factory.mktemp("external"))
+    b = start_backend(tmp_path_factory.mktemp("external"), api_key=BACKEND_KEY)
     yield b
     b.stop()
 
 
 def test_up_fronts_an_existing_backend(backend: Backend, tmp_path: Path) -> None:
+    # its key in $SLUICE_BACKEND_API_KEY, as start_sluice_up sets it
     up = start_sluice_up(tmp_path, "--upstream", backend.url + "/v1",
-                         "--model-name", "sluice-tiny")
+                         "--model-name", "sluice-tiny", backend_key=backend.api_key)
     try:
         assert "starting the bundled backend" not in up.log()
         client = openai.OpenAI(base_url=up.url + "/v1", api_key=ALPHA, max_retries=0)

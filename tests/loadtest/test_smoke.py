@@ -39,8 +39,12 @@ def sluice_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceUp]:
     assert up.stop() == 0
 
 
-def test_smoke_against_sluice_up(sluice_up: SluiceUp, tmp_path: Path) -> None:
+def test_smoke_against_sluice_up(sluice_up: SluiceUp, tmp_path: Path,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "report"
+    assert sluice_up.backend_key is not None
+    # the backend's /metrics needs its key: --scrape sends $SLUICE_BACKEND_API_KEY
+    monkeypatch.setenv("SLUICE_BACKEND_API_KEY", sluice_up.backend_key)
     done = loadtest(str(SMOKE), "--target", sluice_up.url + "/v1", "--out", str(out),
                     "--scrape", sluice_up.backend_url, "--no-progress")
     assert done.returncode == 0, done.stderr

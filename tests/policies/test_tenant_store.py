@@ -15,6 +15,7 @@ from redis.crc import key_slot
 from policies.store import StoreUnavailable
 from policies.tenant_store import (
     ChangedConcurrently,
+    InvalidRecord,
     KeyExists,
     KeyRecord,
     MemoryTenantStore,
@@ -173,6 +174,69 @@ async def test_versions_only_grow(store: TenantStore) -> None:
 
 
 # ---- Redis only ------------------------------------------------------------------------------
+async def plant(store: TenantStore, table: str, rid: str, text: str) -> None:
+    """Write a record as an older version, or a hand, might have: past every check."""
+    if isinstance(store, MemoryTenantStore):
+        (store._records if table == "tenants" else store._keys)[rid] = text
+        return
+    assert isinstance(store, RedisTenantStore)
+    await store._redis.hset(store.keys[1 if table == "tenants" else 2], rid, text)
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # past json.loads' recursion and cjson's depth limit
+
+
+async def test_unreadable_records_never_fail_a_read_or_a_write(store: TenantStore) -> None:
+    await store.create_tenant(ALPHA)
+    await store.add_key(key("k1"))
+    for tid, text in [("broken", "{not json"), ("deep", DEEP), ("list", "[1]"),
+                      ("bytes", "\"\\udc80\"")]:
+        await plant(store, "tenants", tid, text)
+    good = key("k2").to_json()
+    for kid, text in [("kbad", "{not json"), ("kdeep", DEEP), ("knum", "7"),
+                      ("kinf", good.replace('"created":1', '"created":1e999')),
+                      ("kpart", '{"tenant":"alpha"}'),
+                      ("ksur", good.replace('"k2"', '"\\udc80"'))]:
+        await plant(store, "keys", kid, text)
+    snap = await store.snapshot()
+    assert set(snap.tenants) == {"alpha"} and set(snap.keys) == {"k1"}
+    assert sorted(snap.unreadable) == sorted(["broken", "deep", "list", "bytes", "kbad",
+                                              "kdeep", "knum", "kinf", "kpart", "ksur"])
+    for tid in ("broken", "deep", "list", "bytes"):
+        with pytest.raises(InvalidRecord):
+            await store.get_tenant(tid)
+    with pytest.raises(NoSuchKey):
+        await store.delete_key("alpha", "kbad")
+    version = await store.version()
+    assert await store.delete_tenant("alpha") > version  # whole: its keys go with it
+    snap = await store.snapshot()
+    assert snap.tenants == {} and snap.keys == {}
+    assert "kpart" not in snap.unreadable  # it named alpha: deleted with it
+    assert "kbad" in snap.unreadable  # names no tenant: left alone
+    assert await store.delete_tenant("broken") > 0  # an operator can delete a bad record
+
+
+async def test_writes_refuse_non_finite_numbers_before_storing(store: TenantStore) -> None:
+    v = await store.create_tenant(ALPHA)
+    for write in (store.create_tenant({"id": "x", "weight": float("inf")}),
+                  store.replace_tenant({**ALPHA, "weight": float("nan")}, ALPHA),
+                  store.seed([BETA, {"id": "y", "weight": float("-inf")}], [])):
+        with pytest.raises(ValueError):
+            await write
+    assert await store.version() == v and await store.get_tenant("x") is None
+    assert (await store.snapshot()).tenants == {"alpha": ALPHA}
+
+
+async def test_a_record_with_infinity_from_an_older_version_can_be_replaced(
+        store: TenantStore) -> None:
+    await store.create_tenant(ALPHA)
+    await plant(store, "tenants", "alpha", '{"id":"alpha","weight":Infinity}')
+    old = await store.get_tenant("alpha")
+    assert old == {"id": "alpha", "weight": float("inf")}
+    await store.replace_tenant(ALPHA, old)
+    assert await store.get_tenant("alpha") == ALPHA
+
+
 @pytest.fixture
 def lonely_redis(tmp_path: Path) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path)

@@ -8,11 +8,16 @@ import pytest
 
 from protocol.contract import (
     CAPABILITIES,
+    MAX_MESSAGES,
+    MAX_PROMPT_VALUES,
     OPENAI_CAPABILITIES,
     SLUICE_CAPABILITIES,
+    ChatRequest,
     CompletionRequest,
     check_capabilities,
+    check_render_size,
     parse,
+    parse_tokenize,
 )
 from protocol.errors import BadRequest
 
@@ -111,3 +116,32 @@ def test_prompts() -> None:
     with pytest.raises(BadRequest) as info:
         parse("chat", {"messages": [{"content": "no role"}]})
     assert info.value.param == "messages"
+
+
+def test_the_number_of_messages_is_capped_before_anything_walks_them() -> None:
+    at_cap = [{"role": "user", "content": ""}] * MAX_MESSAGES
+    req = parse("chat", {"messages": at_cap})
+    assert isinstance(req, ChatRequest) and len(req.messages) == MAX_MESSAGES
+    # past the cap: 400 naming messages, before pydantic looks at any of them (an element
+    # that would fail validation is never reached)
+    over = [*at_cap, "not even a message"]
+    for check in (lambda: parse("chat", {"messages": over}),
+                  lambda: parse_tokenize({"messages": over})):
+        with pytest.raises(BadRequest) as info:
+            check()
+        err = info.value
+        assert (err.status, err.param, err.code) == (400, "messages", "invalid_value")
+        assert f"at most {MAX_MESSAGES}" in err.message and str(MAX_MESSAGES + 1) in err.message
+
+
+def test_what_a_template_renders_is_capped_in_json_values() -> None:
+    # 1 (the message list) + 3 members + the extra list's elements: exactly at the cap
+    at_cap = [{"role": "user", "content": "x", "extra": [0] * (MAX_PROMPT_VALUES - 4)}]
+    check_render_size(at_cap)
+    tools = [{"type": "function"}]  # 2 more values
+    for messages, extra in ((at_cap, tools),
+                            ([{"role": "user", "content": [{"type": "text"}] * 70_000}], None)):
+        with pytest.raises(BadRequest) as info:
+            check_render_size(messages, extra)
+        err = info.value
+        assert (err.status, err.param) == (400, "messages") and str(MAX_PROMPT_VALUES) in err.message

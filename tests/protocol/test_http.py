@@ -84,7 +84,9 @@ def test_body_limits() -> None:
     with pytest.raises(ApiError) as info:
         body.add(b"!")
     assert info.value.status == 413
-    LimitedBody(10, b"not-a-number").add(b"ok")  # a bad header: the bytes read decide
+    with pytest.raises(BadRequest) as bad:  # a bad header: a 400 naming it
+        LimitedBody(10, b"not-a-number")
+    assert bad.value.param == "content-length"
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"\xff\xfe", b"[1]", b"", b"[" * 60_000, b"NaNx"])

@@ -29,7 +29,13 @@ from gateway.config import (
     RetryConfig,
     Timeouts,
 )
-from tests.backend.server.conftest import REPO_ROOT, free_port
+from tests.backend.server.conftest import (
+    BACKEND_KEY,
+    GATEWAY_KEY_ENV,
+    REPO_ROOT,
+    backend_env,
+    free_port,
+)
 from tests.gateway.conftest import TEST_KEY, ThreadedGateway, auth
 
 __all__ = ["TEST_KEY", "Replica", "ThreadedGateway", "assert_no_leaks", "auth", "pool_config",
@@ -56,7 +62,7 @@ class Replica:
                 [sys.executable, "-m", "sluice.cli", "backend", "--model", "tiny", "--port",
                  str(self.port), "--log-level", "warning", "--seed", "0", *self.extra],
                 cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+                env=backend_env(BACKEND_KEY))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"backend exited with {self.proc.returncode}"
@@ -88,7 +94,8 @@ class Replica:
                 self.proc.wait()
 
     def state(self) -> dict[str, Any]:
-        return httpx.get(self.url + "/v1/state", timeout=5).json()
+        return httpx.get(self.url + "/v1/state", timeout=5,
+                         headers={"authorization": f"Bearer {BACKEND_KEY}"}).json()
 
 
 @pytest.fixture(scope="package")
@@ -103,21 +110,25 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Replica]
     ensure_tiny_model()
     tmp = tmp_path_factory.mktemp("replicas")
     pair = [Replica(tmp, *SLOW), Replica(tmp, *SLOW)]
-    for r in pair:
-        r.start()
-    yield pair
-    for r in pair:
-        r.stop()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(GATEWAY_KEY_ENV, BACKEND_KEY)  # what the gateways send them (api_key_env)
+        for r in pair:
+            r.start()
+        yield pair
+        for r in pair:
+            r.stop()
 
 
 def pool_config(urls: list[str], *, solo: str | None = None, store_url: str | None = None,
                 send_buffer_bytes: int | None = None, **timeouts: Any) -> GatewayConfig:
     """Model "m" on the pool; "solo" on one server alone (no other to retry on)."""
     models = [ModelEntry(name="m", upstreams=urls, kind="sluice",  # type: ignore[arg-type]
-                         upstream_model="sluice-tiny", tokenizer="local:tiny")]
+                         upstream_model="sluice-tiny", tokenizer="local:tiny",
+                         api_key_env=GATEWAY_KEY_ENV)]
     if solo is not None:
         models.append(ModelEntry(name="solo", upstream=solo, kind="sluice",
-                                 upstream_model="sluice-tiny", tokenizer="local:tiny"))
+                                 upstream_model="sluice-tiny", tokenizer="local:tiny",
+                                 api_key_env=GATEWAY_KEY_ENV))
     from gateway.config import AdmissionConfig, StoreConfig
 
     return GatewayConfig(

@@ -13,7 +13,7 @@ import httpx
 import yaml
 
 from gateway.tenants import hash_key
-from tests.backend.server.conftest import REPO_ROOT, free_port
+from tests.backend.server.conftest import GATEWAY_KEY_ENV, REPO_ROOT, free_port
 
 from .conftest import TEST_KEY, Replica, auth, chat, stream_chat
 
@@ -28,7 +28,8 @@ def test_sigterm_drains_then_cancels_what_is_left(replicas: list[Replica],
         "listen": {"port": port}, "tenants_file": "tenants.yaml",
         "drain_grace_s": 1.0, "shutdown_timeout_s": 1.5,
         "models": [{"name": "m", "upstreams": [a.url], "kind": "sluice",
-                    "upstream_model": "sluice-tiny", "tokenizer": "local:tiny"}]}))
+                    "upstream_model": "sluice-tiny", "tokenizer": "local:tiny",
+                    "api_key_env": GATEWAY_KEY_ENV}]}))  # set by the replicas fixture
     log = open(tmp_path / "gateway.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", "gateway", "--config",
                              str(tmp_path / "gateway.yaml"), "--log-level", "warning"],

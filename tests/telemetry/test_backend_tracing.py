@@ -277,6 +277,6 @@ def test_a_bad_otel_setting_stops_the_backend_before_the_model_loads(
     from sluice.cli import main
 
     monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "2")
-    assert main(["backend", "--model", "/nonexistent/model"]) == 2
+    assert main(["backend", "--model", "/nonexistent/model", "--no-api-key"]) == 2
     err = capsys.readouterr().err
     assert "cannot start" in err and "OTEL_TRACES_SAMPLER_ARG" in err

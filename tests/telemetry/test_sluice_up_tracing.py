@@ -226,7 +226,8 @@ def test_requests_succeed_while_the_collector_is_down(
                     failed = float(line.rsplit(" ", 1)[1])
             time.sleep(0.2)
         assert failed > 0  # the exporter did try, and failed, and counted it
-        backend = httpx.get(u.backend_url + "/metrics", timeout=5).text
+        backend = httpx.get(u.backend_url + "/metrics", headers=u.backend_headers,
+                            timeout=5).text
         assert 'sluice_telemetry_spans_total{result="export_failed"}' in backend
     finally:
         started = time.monotonic()

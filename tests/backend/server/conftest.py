@@ -1,4 +1,9 @@
-"""Real `sluice backend --model tiny` servers on free 127.0.0.1 ports, stopped by PID."""
+"""Real `sluice backend --model tiny` servers on free 127.0.0.1 ports, stopped by PID.
+
+They serve without an API key (``--no-api-key``) unless given one: these tests are about
+the backend's API, and test_auth.py about its key. Where a gateway sits in front, the
+backend gets a key, passed the way production passes it (``$SLUICE_BACKEND_API_KEY``).
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,10 @@ import httpx
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
+BACKEND_KEY_ENV = "SLUICE_BACKEND_API_KEY"
+BACKEND_KEY = "sk-test-backend-key"  # the key of the backends that tests put a gateway before
+# where an in-process gateway (and a `sluice gateway` child) reads it: a model's api_key_env
+GATEWAY_KEY_ENV = "SLUICE_TEST_BACKEND_KEY"
 
 
 def free_port() -> int:
@@ -30,13 +39,19 @@ class Backend:
     port: int
     proc: subprocess.Popen[bytes]
     log_path: Path
+    api_key: str | None = None
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """What a request needs to be let in."""
+        return {} if self.api_key is None else {"authorization": f"Bearer {self.api_key}"}
+
     def state(self) -> dict:
-        return httpx.get(self.url + "/v1/state", timeout=5).json()
+        return httpx.get(self.url + "/v1/state", headers=self.headers, timeout=5).json()
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -53,15 +68,27 @@ class Backend:
         return int(self.proc.returncode)
 
 
-def start_backend(tmp_dir: Path, *extra: str, ready_timeout: float = 120.0) -> Backend:
+def backend_env(api_key: str | None) -> dict[str, str]:
+    """The environment of a `sluice backend` child: the key in its variable, if any."""
+    env = {k: v for k, v in os.environ.items() if k != BACKEND_KEY_ENV}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    if api_key is not None:
+        env[BACKEND_KEY_ENV] = api_key
+    return env
+
+
+def start_backend(tmp_dir: Path, *extra: str, ready_timeout: float = 120.0,
+                  api_key: str | None = None) -> Backend:
     port = free_port()
     log_path = tmp_dir / f"backend-{port}.log"
     cmd = [sys.executable, "-m", "sluice.cli", "backend", "--model", "tiny",
            "--port", str(port), "--log-level", "warning", *extra]
+    if api_key is None:
+        cmd.append("--no-api-key")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
-    backend = Backend(f"http://127.0.0.1:{port}", port, proc, log_path)
+                                env=backend_env(api_key))
+    backend = Backend(f"http://127.0.0.1:{port}", port, proc, log_path, api_key)
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

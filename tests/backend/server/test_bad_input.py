@@ -59,6 +59,47 @@ def test_invalid_json(http: httpx.Client) -> None:
     assert_error(http.post(COMP, content=b'[' * 60_000), 400)  # RecursionError inside
 
 
+SURROGATE = b"\xed\xa0\x80"  # U+D800 encoded as if it were a character: not UTF-8
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    (COMP, b'{"prompt": "a\\ud800b"}', "prompt"),
+    (COMP, b'{"prompt": "a' + SURROGATE + b'b"}', "prompt"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "' + SURROGATE + b'"}]}',
+     "messages[0].content"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "stop": ["\\udc80"]}',
+     "stop[0]"),
+    ("/v1/tokenize", b'{"prompt": "\\udc80"}', "prompt"),
+])
+def test_lone_surrogates_are_a_400_naming_the_field(http: httpx.Client, path: str,
+                                                    body: bytes, param: str) -> None:
+    err = assert_error(http.post(path, content=body), 400, param, "invalid_unicode")
+    assert param in err["message"]
+
+
+@pytest.mark.parametrize("depth", [65, 500, 700, 950])
+def test_deep_nesting_is_a_400_before_the_tokenizer(http: httpx.Client, depth: int) -> None:
+    content = b"[" * depth + b'"x"' + b"]" * depth
+    body = b'{"messages": [{"role": "user", "content": ' + content + b"}]}"
+    err = assert_error(http.post(CHAT, content=body), 400, None, "invalid_json")
+    assert "deeper than 64" in err["message"]
+
+
+@pytest.mark.parametrize("field", ["priority", "seed", "deadline_ms", "max_tokens", "top_k"])
+def test_integers_beyond_int64_are_a_400_and_the_engine_lives(http: httpx.Client,
+                                                              field: str) -> None:
+    # a priority of 10**400 stopped the engine's step loop (the server answered 503 after)
+    for big in (10**400, -(10**400), 2**63):
+        body = b'{"prompt": "x", "max_tokens": 1, "%s": %d}' % (field.encode(), big)
+        assert_error(http.post(COMP, content=body), 400, field)
+    edge = {"priority": -(2**63), "seed": 2**63 - 1, "deadline_ms": 2**63 - 1}
+    if field in edge:
+        r = http.post(COMP, json={"prompt": "x", "max_tokens": 1, field: edge[field]})
+        assert r.status_code == 200, r.text
+    assert http.post(COMP, json={"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
 def test_wrong_types(http: httpx.Client) -> None:
     msgs = [{"role": "user", "content": "hi"}]
     assert_error(http.post(CHAT, json={"messages": "hi"}), 400, "messages")
