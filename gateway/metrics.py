@@ -18,6 +18,7 @@ from telemetry.metrics import (
     Family,
     Kind,
     Registry,
+    pool_families,
 )
 
 from .admission import AdmissionSnapshot
@@ -182,31 +183,15 @@ def _resilience(m: GatewayMetrics, ups: list[UpstreamSnapshot]) -> Iterator[Fami
 
 
 def _tokenize(pool: PoolSnapshot, trims: int) -> Iterator[Family]:
-    yield Family(P + "tokenize_running", "gauge", "Long prompts being tokenized in the "
-                 "tokenize pool's threads.").add(pool.running)
-    yield Family(P + "tokenize_waiting", "gauge", "Long prompts waiting for a thread of "
-                 "the tokenize pool.").add(pool.waiting)
-    yield Family(P + "tokenize_tenants", "gauge", "Tenants with a long prompt being "
-                 "tokenized or waiting.").add(pool.tenants)
-    yield (Family(P + "tokenize_refused_total", "counter", "Long prompts the tokenize pool "
-                  "refused: tokenize_concurrency (429, the tenant's share is full), "
-                  "tokenizer_busy (503, the queue is full).")
-           .add(pool.refused_tenant, reason="tokenize_concurrency")
-           .add(pool.refused_full, reason="tokenizer_busy"))
+    yield from pool_families(P, pool, name="tokenize", jobs="Long prompts",
+                             reasons=("tokenize_concurrency", "tokenizer_busy"))
     yield Family(P + "memory_trims_total", "counter", "Freed heap handed back to the system "
                  "after requests with a body of 1 MiB or more.").add(trims)
 
 
 def _parsing(pool: PoolSnapshot) -> Iterator[Family]:
-    yield Family(P + "parse_running", "gauge", "Large request bodies being parsed in the "
-                 "parse worker process.").add(pool.running)
-    yield Family(P + "parse_waiting", "gauge", "Large request bodies waiting for the parse "
-                 "worker.").add(pool.waiting)
-    yield (Family(P + "parse_refused_total", "counter", "Large request bodies the parse pool "
-                  "refused: too_many_large_bodies (429, the tenant's share is full), "
-                  "large_bodies_busy (503, the queue is full or the worker died).")
-           .add(pool.refused_tenant, reason="too_many_large_bodies")
-           .add(pool.refused_full, reason="large_bodies_busy"))
+    yield from pool_families(P, pool, name="parse", jobs="Large request bodies",
+                             reasons=("too_many_large_bodies", "large_bodies_busy"))
 
 
 def _tasks() -> int:

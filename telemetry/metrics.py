@@ -17,9 +17,9 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OTHER = "_other"
@@ -219,6 +219,41 @@ def render(families: Iterable[Family]) -> str:
             out.append(f"{fam.name}_sum{_fmt_labels(lb)} {_num(p.sum)}")
             out.append(f"{fam.name}_count{_fmt_labels(lb)} {p.count}")
     return "\n".join(out) + "\n"
+
+
+class PoolCounts(Protocol):
+    """What a work pool reports (``protocol.offload.PoolSnapshot`` has these)."""
+
+    @property
+    def running(self) -> int: ...
+    @property
+    def waiting(self) -> int: ...
+    @property
+    def tenants(self) -> int: ...
+    @property
+    def refused_tenant(self) -> int: ...
+    @property
+    def refused_full(self) -> int: ...
+
+
+def pool_families(prefix: str, pool: PoolCounts, *, name: str, jobs: str,
+                  reasons: tuple[str, str]) -> Iterator[Family]:
+    """A work pool's gauges and refusals, the same on every server: ``{prefix}{name}_running``,
+    ``_waiting``, ``_tenants`` and ``_refused_total{reason}`` (``reasons``: the tenant's
+    share full, 429; the queue full, 503); ``jobs`` says what the pool works on."""
+    tenant, full = reasons
+    yield Family(f"{prefix}{name}_running", "gauge",
+                 f"{jobs} being worked on in the {name} pool.").add(pool.running)
+    yield Family(f"{prefix}{name}_waiting", "gauge",
+                 f"{jobs} waiting for a worker of the {name} pool.").add(pool.waiting)
+    yield Family(f"{prefix}{name}_tenants", "gauge",
+                 f"Tenants with {jobs.lower()} running or waiting in the {name} pool.")\
+        .add(pool.tenants)
+    yield (Family(f"{prefix}{name}_refused_total", "counter",
+                  f"{jobs} the {name} pool refused: {tenant} (429, the tenant's share is "
+                  f"full), {full} (503, the queue is full or a worker died).")
+           .add(pool.refused_tenant, reason=tenant)
+           .add(pool.refused_full, reason=full))
 
 
 def priority_class(priority: int) -> str:

@@ -15,7 +15,15 @@ from collections.abc import Callable, Iterable, Iterator
 from backend.engine.outputs import EngineState, OutputDelta
 from protocol.limits import ConnectionCounts
 from protocol.offload import PoolSnapshot
-from telemetry.metrics import CONTENT_TYPE, LATENCY_BUCKETS, TOKEN_BUCKETS, Family, Kind, Registry
+from telemetry.metrics import (
+    CONTENT_TYPE,
+    LATENCY_BUCKETS,
+    TOKEN_BUCKETS,
+    Family,
+    Kind,
+    Registry,
+    pool_families,
+)
 
 __all__ = ["CONTENT_TYPE", "PREFIX", "ServerMetrics"]
 
@@ -191,16 +199,7 @@ class ServerMetrics:
 
 
 def _tokenize(pool: PoolSnapshot, trims: int) -> Iterator[Family]:
-    yield Family(PREFIX + "tokenize_running", "gauge", "Long prompts being tokenized in the "
-                 "tokenize pool's threads.").add(pool.running)
-    yield Family(PREFIX + "tokenize_waiting", "gauge", "Long prompts waiting for a thread of "
-                 "the tokenize pool.").add(pool.waiting)
-    yield Family(PREFIX + "tokenize_tenants", "gauge", "Tenants with a long prompt being "
-                 "tokenized or waiting.").add(pool.tenants)
-    yield (Family(PREFIX + "tokenize_refused_total", "counter", "Long prompts the tokenize "
-                  "pool refused: tokenize_concurrency (429, the tenant's share is full), "
-                  "tokenizer_busy (503, the queue is full).")
-           .add(pool.refused_tenant, reason="tokenize_concurrency")
-           .add(pool.refused_full, reason="tokenizer_busy"))
+    yield from pool_families(PREFIX, pool, name="tokenize", jobs="Long prompts",
+                             reasons=("tokenize_concurrency", "tokenizer_busy"))
     yield Family(PREFIX + "memory_trims_total", "counter", "Freed heap handed back to the "
                  "system after requests with a body of 1 MiB or more.").add(trims)
