@@ -6,13 +6,27 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test lint install clean bench capacity
 
+# torch is pinned to the version the suite passes on. From PyPI on Linux x86_64,
+# torch==2.13.0 is the CUDA build (torch plus its nvidia-* wheels, several GB; it runs on a
+# CPU too). The CPU-only wheel (a few hundred MB) is on the PyTorch index, not on PyPI: put
+# it into .venv first and the pinned step below finds it already installed:
+#   python3 -m venv .venv
+#   .venv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+#   make install
 $(STAMP): pyproject.toml setup.py telemetry/_otlp.c
+	@echo "installing into $(VENV): about 6 min on a fresh machine, most of it torch;" \
+		"pip prints nothing while it works"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "[1/3] upgrading pip (seconds)"
 	$(PY) -m pip install -q --upgrade pip
-	# Pin the CPU build of torch first; an unpinned torch pulls a multi-GB CUDA build.
+	@echo "[2/3] torch==2.13.0 (from PyPI on Linux x86_64: the CUDA build, several GB;" \
+		"minutes; seconds if $(VENV) has it already)"
 	$(PY) -m pip install -q torch==2.13.0
+	@echo "[3/3] sluice and its test extras: pip install -e '.[test]', which also builds" \
+		"telemetry/_otlp.c (1-2 min)"
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
+	@echo "installed: $(VENV)"
 
 install: $(STAMP)
 

@@ -2,7 +2,8 @@
 
     reserve  one atomic store call per request: prompt + max_tokens from every budget of the
              tenant, plus a concurrency lease with a TTL. Denied: 429 naming the limit, with
-             Retry-After computed by the store (bucket refill, lease expiry, period end).
+             Retry-After computed by the store (bucket refill, period end, or the running
+             request's predicted end for max_concurrency: policies/hold.py).
     renew    one background task renews every live lease each ``lease_ttl_s / 3`` seconds,
              so a long stream keeps its lease and a killed replica's leases expire.
     settle   however the request ends, in a task the ``Admission`` owns (a cancelled request
@@ -82,11 +83,12 @@ class Reservation:
     behind, so one that lands after the caller left is settled at zero instead."""
 
     __slots__ = ("_admission", "_completion", "_prompt", "_request_id", "_tenant",
-                 "_tokens", "_trace", "ticket")
+                 "_terms", "_tokens", "_trace", "ticket")
 
     def __init__(self, admission: Admission, tenant: Tenant, request_id: str, tokens: int,
-                 trace: NoTrace) -> None:
+                 trace: NoTrace, terms: str = "") -> None:
         self._admission = admission
+        self._terms = terms
         self._tenant = tenant
         self._request_id = request_id
         self._tokens = tokens
@@ -101,7 +103,8 @@ class Reservation:
     async def __aenter__(self) -> Ticket:
         adm, trace = self._admission, self._trace
         span = trace.start(RESERVE, {"sluice.reserved_tokens": self._tokens})
-        call = asyncio.ensure_future(adm.grant(self._tenant, self._request_id, self._tokens))
+        call = asyncio.ensure_future(adm.grant(self._tenant, self._request_id, self._tokens,
+                                               terms=self._terms))
         try:
             ticket = await asyncio.shield(call)
         except GatewayError as err:
@@ -196,14 +199,15 @@ class Admission:
 
     # ---- reserve --------------------------------------------------------------------------
     def reserve(self, tenant: Tenant, request_id: str, tokens: int,
-                trace: NoTrace = NO_TRACE) -> Reservation:
+                trace: NoTrace = NO_TRACE, terms: str = "") -> Reservation:
         """``async with reservation as ticket``: hold ``tokens`` in the tenant's budgets for
         the block, settled when it ends at what ``reservation.settle_at`` recorded (nothing
         recorded: nothing used). Entering raises a 429 / 503 ``GatewayError``
-        when refused (nothing taken)."""
-        return Reservation(self, tenant, request_id, tokens, trace)
+        when refused (nothing taken), naming ``terms`` (how ``tokens`` was worked out)."""
+        return Reservation(self, tenant, request_id, tokens, trace, terms)
 
-    async def grant(self, tenant: Tenant, request_id: str, tokens: int) -> Ticket:
+    async def grant(self, tenant: Tenant, request_id: str, tokens: int,
+                    terms: str = "") -> Ticket:
         """A granted ticket, or a 429 / 503 ``GatewayError`` (nothing taken); the caller
         settles it (``reserve`` does)."""
         store: Store = self.store
@@ -235,7 +239,7 @@ class Admission:
         if not local:
             self.store_up = True
         if not decision.granted:
-            raise self._denial(tenant, decision, tokens)
+            raise self._denial(tenant, decision, terms or str(tokens))
         ticket = Ticket(tenant.id, request_id, tokens, store, decision, local)
         self.live[request_id] = ticket
         return ticket
@@ -245,7 +249,7 @@ class Admission:
         if not done.cancelled() and done.exception() is None:
             self.settle(done.result(), 0)
 
-    def _denial(self, tenant: Tenant, d: Decision, tokens: int) -> GatewayError:
+    def _denial(self, tenant: Tenant, d: Decision, tokens: str) -> GatewayError:
         limit = d.denied_by or "quota"
         key = (tenant.id, limit)
         self.rejects[key] = self.rejects.get(key, 0) + 1

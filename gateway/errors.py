@@ -16,6 +16,7 @@ this module adds the gateway's own. ``GatewayError`` is the gateway's name for t
     ├── RateLimited                 429 + Retry-After (quota, tokenizations)       protocol
     ├── BadGateway                  502 (the upstream failed: 5xx, broken answer)
     ├── ServiceUnavailable          503 + Retry-After (unreachable, draining)      protocol
+    │   └── RevisionUnavailable     503 code=revision_unavailable (no member serves the pin)
     ├── GatewayTimeout              504 (deadline passed, upstream silent past read timeout)
     └── InternalError               500 (a bug; never for bad input)               protocol
 
@@ -53,6 +54,7 @@ __all__ = [
     "PayloadTooLarge",
     "PermissionDenied",
     "RevisionMismatch",
+    "RevisionUnavailable",
     "ServiceUnavailable",
 ]
 
@@ -67,6 +69,13 @@ class BadGateway(GatewayError):
     status = 502
     type = "server_error"
     code = "upstream_error"
+
+
+class RevisionUnavailable(ServiceUnavailable):
+    """A pinned revision no member of the pool is known to serve now (Retry-After: the
+    refresh interval, the soonest the gateway can learn that one does)."""
+
+    code = "revision_unavailable"
 
 
 class GatewayTimeout(GatewayError):

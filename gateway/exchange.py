@@ -120,7 +120,7 @@ class Exchange:
         """Route, reserve, queue, call; every ``GatewayError`` is answered here."""
         gw = self.gw
         failover = Failover(p.upstream.name, p.upstream.router, gw.retry_budget, gw.metrics,
-                            self.trace, p.worst_case, p.prefix_key, p.path)
+                            self.trace, p.worst_case, p.prefix_key, p.path, p.pin)
         try:
             first = failover.first()
             await self._admit_and_call(p, failover, gw.queues[first.member.key])
@@ -140,7 +140,8 @@ class Exchange:
         gw, tenant, trace = self.gw, self.tenant, self.trace
         req = SlotRequest(self.attempt_id, tenant.id, tenant.weight, p.priority, p.worst_case,
                           p.deadline, tenant.max_queued, tenant.fail_mode == "open")
-        reservation = gw.admission.reserve(tenant, self.attempt_id, p.worst_case, trace)
+        reservation = gw.admission.reserve(tenant, self.attempt_id, p.worst_case, trace,
+                                           p.worst_terms)
         # With nobody waiting, ask the capacity gate for a slot while the quota store
         # reserves: one round trip before dispatch instead of two. Given back if unused.
         async with queue.early(req) as early, reservation as ticket:

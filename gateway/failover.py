@@ -6,12 +6,18 @@ failed attempt is retried only when all of these hold:
   or timed out, a 5xx, no answer within ``first_byte_s``, the connection broken before the
   answer; never a 4xx, never a client that left;
 * no byte has reached the client yet (a streamed answer is never replayed);
-* another member can take it (breaker closed or probing, no Retry-After pending);
+* another member can take it (breaker closed or probing, no Retry-After pending) and, for a
+  pinned request, is known to serve the pinned revision;
 * the retry budget has a retry to spend (``policies.retry_budget``: ≤ 10 % extra load).
 The retry gives its capacity slot on the failed member back at once (the caller's
 ``release``), waits a fully jittered backoff, then takes a slot on the next member (``take``);
 its quota reservation stays: the request is charged once, at settlement. An upstream's Retry-After keeps its member out of routing
 until then.
+
+A pinned request is routed only among the members serving its revision (``Router.pick``);
+when none does it is refused with 503 ``revision_unavailable``. A member whose revision
+moved under an attempt (``Fault.neutral``) is retried elsewhere like a failure, but its
+breaker hears nothing against it.
 
 Every attempt records its outcome on the member's breaker exactly once (``Attempt.done``)
 and is its own ``sluice.upstream`` phase on the trace, with the member, the attempt number,
@@ -35,8 +41,8 @@ from policies.breaker import Outcome as Verdict
 from policies.breaker import Pass
 from policies.retry_budget import RetryBudget
 
-from .errors import GatewayError, GatewayTimeout, ServiceUnavailable
-from .pool import AllOpen, Member, Router
+from .errors import GatewayError, GatewayTimeout, RevisionUnavailable, ServiceUnavailable
+from .pool import AllOpen, Member, NoRevision, Router
 from .tracing import UPSTREAM, NoTrace
 from .upstream import Fault
 
@@ -88,8 +94,10 @@ class Failover:
 
     def __init__(self, model: str, router: Router, budget: RetryBudget,
                  counter: RetryCounter, trace: NoTrace, tokens: int,
-                 prefix_key: bytes | None = None, path: str = "/v1/chat/completions") -> None:
+                 prefix_key: bytes | None = None, path: str = "/v1/chat/completions",
+                 pin: str | None = None) -> None:
         self.model = model
+        self.pin = pin  # the revision the client pinned: only members serving it are tried
         self.path = path
         self.router = router
         self.budget = budget
@@ -103,7 +111,11 @@ class Failover:
     def first(self) -> Attempt:
         """Route a new request; ``CircuitOpen`` (503, Retry-After) when no member can."""
         try:
-            member, grant = self.router.pick(self.tokens, self.prefix_key)
+            member, grant = self.router.pick(self.tokens, self.prefix_key, pin=self.pin)
+        except NoRevision as exc:  # the pin's last member moved since the resolve stage
+            raise RevisionUnavailable(f"no server of the model {self.model!r} serves revision "
+                                      f"{self.pin!r} now", "model",
+                                      retry_after_s=exc.retry_after_s) from None
         except AllOpen as exc:
             self.counter.count_retry(self.model, "all_open")
             raise CircuitOpen(f"every server of the model {self.model!r} is failing; the "
@@ -130,7 +142,8 @@ class Failover:
             try:
                 return await self._call(attempt, call)
             except Fault as fault:
-                self.counter.count_failure(attempt.member, fault.reason)
+                if not fault.neutral:
+                    self.counter.count_failure(attempt.member, fault.reason)
                 if fault.retry_after_s:
                     m = attempt.member
                     m.not_before = max(m.not_before, m.clock() + fault.retry_after_s)
@@ -157,7 +170,7 @@ class Failover:
             verdict = "success"
             return result
         except Fault as fault:
-            failed, verdict = fault.reason, "failure"
+            failed, verdict = fault.reason, "neutral" if fault.neutral else "failure"
             raise
         except GatewayError as err:
             failed = err.code or type(err).__name__
@@ -183,7 +196,7 @@ class Failover:
             return None
         try:
             member, grant = self.router.pick(self.tokens, self.prefix_key,
-                                             frozenset(self._tried))
+                                             frozenset(self._tried), self.pin)
         except AllOpen:
             self.counter.count_retry(self.model, "no_other_upstream")
             return None

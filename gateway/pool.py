@@ -5,6 +5,11 @@ its own keep-alive connections, circuit breaker, capacity (its own ``/v1/state``
 bundled backend) and dispatch queue (``Gateway.queues[member.key]``), so the capacity gate
 applies to each member on its own.
 
+Each member knows the versions it serves (``Member.versions``: read from its own
+``/v1/models`` by the upstream's refresh, or the config's for an ``openai`` server; None
+while unknown). A pinned request (``model: "name@revision"``) is routed only among the
+members whose known revision matches the pin; ``NoRevision`` when none does.
+
 Routing (``Router.pick``), among the members whose breaker lets a request through (one
 still inside the Retry-After it answered with is taken only when no other can):
     least_load  the fewest in-flight worst-case tokens per unit of weight (this replica's);
@@ -28,11 +33,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from policies.breaker import Breaker, BreakerPolicy, Pass, State
+from protocol.versions import ResolvedVersions, ServedVersions
 
 from .config import MemberEntry, ModelEntry
 from .http_client import Pool
 
 log = logging.getLogger("sluice.gateway.pool")
+
+_STAMPS_KEPT = 1024  # stamps per member (one per tenant policy) before starting again
 
 
 class Member:
@@ -55,6 +63,31 @@ class Member:
         self.inflight_requests = 0
         self.not_before = 0.0  # its Retry-After: no new request before this clock time
         self.last_error: str | None = None
+        # What this server serves, as last read (None: unknown, so never given a pin). The
+        # object is replaced only when the versions change: stamps are cached by identity.
+        self.versions: ServedVersions | None = None
+        # its own x-sluice-resolved, as its /v1/models answered alongside ``versions``
+        # (None when that did not agree with them): an answer naming the same is theirs
+        self.reported_header: str | None = None
+        self._stamps: dict[str | None, ResolvedVersions] = {}
+
+    def serves(self, pin: str) -> bool:
+        """Whether this member's known revision matches ``pin``."""
+        v = self.versions
+        return v is not None and v.revision_matches(pin)
+
+    def stamp(self, policy: str | None) -> ResolvedVersions | None:
+        """This member's versions as an answer's stamp (None while unknown); one per tenant
+        policy while the versions stay, so the fingerprint is hashed once."""
+        v = self.versions
+        if v is None:
+            return None
+        stamp = self._stamps.get(policy)
+        if stamp is None or stamp.versions is not v:
+            if len(self._stamps) >= _STAMPS_KEPT:
+                self._stamps.clear()
+            stamp = self._stamps[policy] = ResolvedVersions(self.model, v, policy)
+        return stamp
 
     def _transition(self, old: State, new: State) -> None:
         log.warning("model %s: upstream %s breaker %s -> %s", self.model, self.url, old, new)
@@ -90,9 +123,16 @@ class AllOpen(Exception):
         self.retry_after_s = retry_after_s
 
 
+class NoRevision(AllOpen):
+    """No member is known to serve the pinned revision; ``retry_after_s`` is the refresh
+    interval, the soonest the gateway can learn that one does."""
+
+
 class Router:
-    def __init__(self, entry: ModelEntry, members: list[Member]) -> None:
+    def __init__(self, entry: ModelEntry, members: list[Member],
+                 refresh_s: float = 10.0) -> None:
         self.members = members
+        self.refresh_s = refresh_s  # how often members' versions are re-read
         self.mode = entry.routing
         self.prefix_chars = entry.prefix_chars
         self.load_bound = entry.load_bound
@@ -110,22 +150,36 @@ class Router:
         return tenant.encode() + b"\0" + text[:self.prefix_chars].encode()
 
     def pick(self, tokens: int, key: bytes | None = None,
-             exclude: frozenset[str] = frozenset()) -> tuple[Member, Pass]:
-        """A member and its breaker's pass; raises ``AllOpen`` when none can take it."""
-        for m in self._order(tokens, key, exclude):
+             exclude: frozenset[str] = frozenset(),
+             pin: str | None = None) -> tuple[Member, Pass]:
+        """A member (serving ``pin``, when given) and its breaker's pass; raises
+        ``NoRevision`` when no member serves the pin, ``AllOpen`` when none can take it."""
+        members = self.serving(pin)
+        for m in self._order(members, tokens, key, exclude):
             granted = m.breaker.try_pass()
             if granted is not None:
                 self.routed[m.key] += 1
                 return m, granted
-        raise AllOpen(self.retry_after(exclude))
+        if not members:
+            raise NoRevision(self.refresh_s)
+        raise AllOpen(self.retry_after(exclude, members))
 
-    def retry_after(self, exclude: frozenset[str] = frozenset()) -> float:
-        waits = [m.breaker.remaining_cooldown() for m in self.members if m.key not in exclude]
+    def serving(self, pin: str | None) -> list[Member]:
+        """The members a request pinned to ``pin`` may go to (all of them when unpinned)."""
+        if pin is None:
+            return self.members
+        return [m for m in self.members if m.serves(pin)]
+
+    def retry_after(self, exclude: frozenset[str] = frozenset(),
+                    members: list[Member] | None = None) -> float:
+        waits = [m.breaker.remaining_cooldown() for m in members or self.members
+                 if m.key not in exclude]
         return max(min(waits, default=1.0), 0.001)
 
-    def _order(self, tokens: int, key: bytes | None, exclude: frozenset[str]) -> list[Member]:
+    def _order(self, members: list[Member], tokens: int, key: bytes | None,
+               exclude: frozenset[str]) -> list[Member]:
         """Candidates, best first; a member inside its Retry-After comes last of all."""
-        live = [m for m in self.members if m.key not in exclude and m.breaker.available()]
+        live = [m for m in members if m.key not in exclude and m.breaker.available()]
         now = self.members[0].clock()
         later = [m for m in live if m.not_before > now]
         live = [m for m in live if m.not_before <= now]

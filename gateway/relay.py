@@ -2,8 +2,10 @@
 
 ``Relay.call`` makes one attempt on a pool member (``failover`` decides which, and whether
 to try another): it posts the prepared body, turns a failure of the server into a
-``Fault`` (retryable) and an answer it refuses into the client's ``GatewayError``, checks
-that the versions the answer was made with are the ones it is stamped with, and relays the
+``Fault`` (retryable) and an answer it refuses into the client's ``GatewayError``, stamps
+the answer with the versions of the member that made it (checked against the versions the
+answer names, re-read when it names others; a pinned request whose member moved to another
+revision is a neutral ``Fault``, retried on a member still serving the pin), and relays the
 answer: SSE events rewritten one batch at a time (``sse.ChunkRewriter``), or the whole JSON
 body. ``Relay.result`` is what happened, frozen, whenever it is asked: settlement, the
 ledger, the metrics and the trace read it, also after a failure or a cancellation.
@@ -17,6 +19,8 @@ backend sees as a disconnect: it aborts the request in the engine.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -24,20 +28,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol.sse import MAX_EVENT_BYTES, EventSplitter, EventTooLong, dumps
-from protocol.versions import RESOLVED_HEADER, ResolvedVersions
+from protocol.versions import RESOLVED_HEADER, SHORT, ResolvedVersions
 from telemetry.metrics import HistogramPoint
 
 from .client_io import Reply, stamp_headers
 from .errors import BadGateway, RevisionMismatch
 from .failover import Attempt
 from .http_client import Response, UpstreamHTTPError
+from .pool import Member
 from .resolve import Prepared
 from .sse import ChunkRewriter
 from .timing import RequestTimes
 from .tracing import RELAY
-from .upstream import Fault, Upstream, UpstreamError, error_from, fault_of
+from .upstream import Fault, Upstream, UpstreamError, error_from, fault_of, header_agrees
 
 MAX_WHOLE_BYTES = 64 * 1024 * 1024  # one non-streamed answer
+DRAIN_AFTER_DONE_S = 1.0  # the rest of a stream's body after [DONE], read for keep-alive
 
 
 @dataclass(slots=True, frozen=True)
@@ -112,6 +118,8 @@ class Relay:
         except UpstreamHTTPError as exc:
             raise fault_of(exc, up.name, member.url) from None
         attempt.status = resp.status
+        if member.versions is not None:  # the member's, not the pool's, from here on
+            self._restamp(member.stamp(self.stamp.policy))
         try:
             if resp.status != 200:
                 err = await error_from(resp, up.name)
@@ -120,7 +128,7 @@ class Relay:
                                 if resp.header("retry-after") else None)
                 raise err
             self.accepted = True
-            await self._check_versions(resp)
+            await self._check_versions(resp, member)
             if p.stream:
                 await self._relay_stream(resp)
             else:
@@ -130,24 +138,39 @@ class Relay:
         finally:
             resp.close()
 
-    async def _check_versions(self, resp: Response) -> None:
-        """The bundled backend names its versions on every answer; if they moved since the
-        last refresh, re-read them so that this answer's stamp is the truth."""
+    async def _check_versions(self, resp: Response, member: Member) -> None:
+        """Stamp this answer with the versions of ``member``, the server that made it. A
+        bundled backend names its versions on every answer: when they are not the ones last
+        read from it (it was upgraded), they are read again first. An answer whose versions
+        cannot be confirmed, or that a pinned request must not get, is a neutral ``Fault``:
+        failover tries a member that serves the pin, else the client gets the error."""
         up, p = self.p.upstream, self.p
-        reported = resp.header(RESOLVED_HEADER)
-        if reported is None or up.reported_header is None or reported == up.reported_header:
-            return
-        try:
-            await self.refresh(up)
-        except UpstreamError:
-            return
-        versions = up.versions
-        if versions is None or versions == self.stamp.versions:
-            return
+        reported = resp.header(RESOLVED_HEADER) if up.reports(member) else None
+        if reported is not None and reported != member.reported_header:
+            with contextlib.suppress(UpstreamError):
+                await self.refresh(up)
+            if member.versions is None or not header_agrees(reported, member.versions):
+                raise Fault("versions_unknown", BadGateway(
+                    f"the server of the model {up.name!r} answered with versions it does not "
+                    f"report ({reported!r})"), neutral=True)
+        stamp = member.stamp(self.stamp.policy)
+        if stamp is None:  # it named none, and did not answer the last read of them
+            raise Fault("versions_unknown", BadGateway(
+                f"the versions of the model {up.name!r} are unknown"), neutral=True)
+        self._restamp(stamp)
+        versions = stamp.versions
         if p.pin is not None and not versions.revision_matches(p.pin):
-            raise RevisionMismatch(f"the model {up.name!r} changed to revision "
-                                   f"{versions.revision[:12]!r}, not {p.pin!r}")
-        self.stamp = ResolvedVersions(self.stamp.model, versions, self.stamp.policy)
+            raise Fault("revision_moved", RevisionMismatch(
+                f"the server of the model {up.name!r} moved to revision "
+                f"{versions.revision[:SHORT]!r}, not {p.pin!r}"), neutral=True)
+
+    def _restamp(self, stamp: ResolvedVersions | None) -> None:
+        """Stamp the answer (and its trace) with ``stamp`` unless it already says the same."""
+        old = self.stamp
+        if stamp is not None and (stamp.versions is not old.versions
+                                  or stamp.policy != old.policy):
+            self.stamp = stamp
+            self.reply.trace.stamp(stamp)
 
     def _answer_headers(self, content_type: bytes) -> list[tuple[bytes, bytes]]:
         p = self.p
@@ -180,7 +203,8 @@ class Relay:
         trace = self.reply.trace
         clock = time.monotonic
         split = EventSplitter(MAX_EVENT_BYTES).feed  # LF, CRLF or CR line ends (SSE spec)
-        async for raw in resp.body_chunks():
+        chunks = resp.body_chunks()
+        async for raw in chunks:
             try:
                 events = split(raw)
             except EventTooLong:
@@ -196,10 +220,19 @@ class Relay:
                     now = clock()
                     if times.chunks(rewriter.tokens - seen, now):
                         trace.first_token(now - times.received)
+            if rewriter.done:
+                break  # [DONE]: the answer is whole, whatever the upstream does next
         if not rewriter.done:
             raise BadGateway(f"the model {self.p.upstream.name!r} ended its stream early")
         self.done = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+        # The connection is reused only once its body has been read to the end, which
+        # vLLM and the bundled backend send right after [DONE]; an upstream that holds it
+        # open longer has its connection closed instead (the answer is already sent).
+        with contextlib.suppress(TimeoutError, UpstreamHTTPError, OSError):
+            async with asyncio.timeout(DRAIN_AFTER_DONE_S):
+                async for _ in chunks:
+                    pass
 
     async def _relay_whole(self, resp: Response) -> None:
         raw = await resp.read(MAX_WHOLE_BYTES)

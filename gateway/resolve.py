@@ -2,9 +2,13 @@
 
     parse      the body against the contract (400 naming the field)
     target     model resolved (404 when unknown or not allowed), the tenant's fallback model
-               under load, the versions it is served at snapshotted into the answer's stamp
-               (``protocol.versions.ResolvedVersions``)
-    prepare    pin checked (400 revision_mismatch), features checked against what the
+               under load, the versions it is served at (those of a member serving the pin,
+               when pinned) snapshotted into the stamp of errors answered before routing;
+               the answer itself is stamped with the versions of the member that made it
+               (``relay.py``)
+    prepare    pin checked (400 revision_mismatch for a pin too short to be one; 503
+               revision_unavailable, Retry-After the refresh interval, when no member is
+               known to serve it), features checked against what the
                upstream implements, priority within the tenant's range (403), prompt tokens
                counted and capped (413 / 400 context_length_exceeded; one that provably
                exceeds either is refused before it is tokenized), max_tokens capped or
@@ -23,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from policies.degrade import decide
-from protocol.versions import ResolvedVersions, ServedVersions
+from protocol.versions import MIN_PIN, SHORT, ResolvedVersions, ServedVersions
 
 from .cache_salt import CacheSalter
 from .config import GatewayConfig
@@ -35,6 +39,7 @@ from .errors import (
     PayloadTooLarge,
     PermissionDenied,
     RevisionMismatch,
+    RevisionUnavailable,
     ServiceUnavailable,
 )
 from .tenants import Tenant
@@ -70,13 +75,14 @@ class Prepared:
     prompt_exact: bool
     max_tokens: int | None  # the limit the upstream gets (None: the upstream's default)
     body: Mapping[str, Any]  # what the upstream gets
-    worst_case: int  # prompt + the most tokens it may generate: what admission reserves
+    worst_case: int  # prompt + sequences × the most each may generate: what is reserved
     pin: str | None = None
     clamped: str | None = None  # x-sluice-clamped value
     deadline: float | None = None  # monotonic time the client gives up at
     total_timeout: bool = False  # the deadline is the gateway's timeouts.total_s
     degraded: str | None = None  # x-sluice-degraded: the degradation applied, if any
     prefix_key: bytes | None = None  # what prefix-affine routing hashes
+    worst_terms: str = ""  # how worst_case was computed, for refusals and traces
 
     @property
     def path(self) -> str:
@@ -144,19 +150,22 @@ class Resolver:
         self.salter = salter or CacheSalter.for_process()
         # one stamp per (model, tenant policy) while the versions stay: it computes its
         # fingerprint and header once, not per request
-        self._stamps: dict[tuple[str, str], ResolvedVersions] = {}
+        self._stamps: dict[tuple[str, str, str], ResolvedVersions] = {}
 
     # ---- target -------------------------------------------------------------------------
     async def target(self, req: Request, tenant: Tenant) -> Target:
         up, pin = self.resolve_model(tenant, req.model)
         up, fallback = self._fallback(tenant, req.priority, up, pin)
         versions = await self.versions_of(up)
+        if pin is not None:  # a member serving the pin, if any; ``prepare`` refuses if none
+            versions = next((m.versions for m in up.router.serving(pin) if m.versions),
+                            versions)
         return Target(up, self._stamp(up.name, versions, tenant.policy_version), pin, fallback)
 
     def _stamp(self, model: str, versions: ServedVersions, policy: str) -> ResolvedVersions:
-        key = (model, policy)
+        key = (model, policy, versions.revision)  # a pool mid-upgrade serves two at once
         stamp = self._stamps.get(key)
-        if stamp is None or stamp.versions is not versions:
+        if stamp is None or (stamp.versions is not versions and stamp.versions != versions):
             if len(self._stamps) >= _STAMPS_KEPT:
                 self._stamps.clear()  # policies edited many times: start again
             stamp = self._stamps[key] = ResolvedVersions(model, versions, policy)
@@ -187,6 +196,16 @@ class Resolver:
                                      retry_after_s=UNREACHABLE_RETRY_AFTER_S)
         return up.versions
 
+    def revision_unavailable(self, up: Upstream, pin: str) -> RevisionUnavailable:
+        """503 for a pin no member is known to serve now: mid-upgrade, one may again (or
+        for the first time) by the next refresh of the members' versions."""
+        served = sorted({m.versions.revision[:SHORT] for m in up.members if m.versions})
+        wait = self.config.refresh_interval_s
+        return RevisionUnavailable(f"no server of the model {up.name!r} serves revision "
+                                   f"{pin!r} now (they serve {served}); the servers' versions "
+                                   f"are read again within {wait:g} s", "model",
+                                   retry_after_s=wait)
+
     def _fallback(self, tenant: Tenant, asked: int | None, up: Upstream,
                   pin: str | None) -> tuple[Upstream, str | None]:
         """The tenant's fallback model instead of ``up`` when ``up`` is overloaded."""
@@ -209,8 +228,9 @@ class Resolver:
         up, stamp, pin = target.upstream, target.stamp, target.pin
         versions = stamp.versions
         if pin is not None and not versions.revision_matches(pin):
-            raise RevisionMismatch(f"the model {up.name!r} is served at revision "
-                                   f"{versions.revision[:12]!r}, not {pin!r}")
+            if len(pin) < MIN_PIN:  # never a prefix: no member could serve it
+                raise RevisionMismatch(versions.pin_refusal(up.name, pin))
+            raise self.revision_unavailable(up, pin)
         check_capabilities(req, up.name, up.capabilities)
 
         pr = tenant.priority
@@ -222,11 +242,14 @@ class Resolver:
         payload: Any = req.messages if isinstance(req, ChatRequest) else req.prompt
         tools = req.tools if isinstance(req, ChatRequest) else None
         limit = PromptLimit.of(kind, up, tenant)
+        text, media = (up.entry.media.split(payload) if isinstance(req, ChatRequest)
+                       else (payload, 0))  # images and audio at their declared cost
         try:
-            prompt_tokens = await up.counter.count(kind, payload, tools, tenant=tenant.id,
-                                                   limit=limit.most)
+            most = None if limit.most is None else max(0, limit.most - media)
+            prompt_tokens = media + await up.counter.count(kind, text, tools, tenant=tenant.id,
+                                                           limit=most)
         except OverLimit as over:  # refused before encoding: provably over ``limit.most``
-            raise limit.refusal(over.at_least, at_least=True) from None
+            raise limit.refusal(media + over.at_least, at_least=True) from None
         limit.check(prompt_tokens)
 
         out = dict(body)
@@ -251,11 +274,15 @@ class Resolver:
                 wanted["continuous_usage_stats"] = True
             out["stream_options"] = wanted
         if max_tokens is not None:
-            generated = max_tokens
+            generated, each = max_tokens, "max_tokens"
         elif up.max_model_len is not None and up.counter.exact:
-            generated = max(1, up.max_model_len - prompt_tokens)
+            generated, each = max(1, up.max_model_len - prompt_tokens), "the rest of the context"
         else:
-            generated = self.config.admission.default_max_tokens
+            generated, each = self.config.admission.default_max_tokens, "default_max_tokens"
+        sequences = generated_sequences(req)
+        worst_case = prompt_tokens + sequences * generated
+        many = f"{sequences} × " if sequences > 1 else ""
+        terms = f"prompt {prompt_tokens} + {many}{each} {generated} = {worst_case}"
         deadline_ms = req.deadline_ms if req.deadline_ms is not None else header_deadline_ms
         deadline, total_timeout = self._deadline(deadline_ms)
         return Prepared(
@@ -263,9 +290,9 @@ class Resolver:
             stream=stream, client_usage=bool(opts and opts.include_usage),
             client_continuous=bool(opts and opts.continuous_usage_stats), priority=priority,
             prompt_tokens=prompt_tokens, prompt_exact=up.counter.exact, max_tokens=max_tokens,
-            body=out, worst_case=prompt_tokens + generated, pin=pin, clamped=clamped,
+            body=out, worst_case=worst_case, pin=pin, clamped=clamped,
             deadline=deadline, total_timeout=total_timeout, degraded=degraded,
-            prefix_key=up.router.prefix_key(tenant.id, payload))
+            prefix_key=up.router.prefix_key(tenant.id, payload), worst_terms=terms)
 
     def _degrade(self, tenant: Tenant, priority: int, up: Upstream, max_tokens: int | None,
                  out: dict[str, Any]) -> tuple[int | None, str | None]:
@@ -296,6 +323,15 @@ class Resolver:
         if total is not None and (client is None or now + total < client):
             return now + total, True
         return client, False
+
+
+def generated_sequences(req: Request) -> int:
+    """How many sequences the upstream generates: ``n`` choices, or ``best_of`` candidates
+    (completions; at least ``n``) of which it returns ``n``. Each may generate up to
+    ``max_tokens``: all of them count in the worst case."""
+    n = req.n or 1
+    best_of = getattr(req, "best_of", None) or 1
+    return max(n, best_of)
 
 
 def _limit_tokens(req: Request, out: dict[str, Any],

@@ -39,9 +39,10 @@ log = logging.getLogger("sluice.gateway")
 
 
 class Refresher:
-    """Re-reads what each upstream serves: at start, every ``refresh_interval_s``, and on
-    demand (a request that finds the versions unknown or moved). Concurrent demands for
-    one upstream share one refresh."""
+    """Re-reads what each upstream serves, member by member (``Upstream.refresh``): at
+    start, every ``refresh_interval_s``, and on demand (a request that finds the versions
+    unknown, or an answer naming versions its member was not known to serve). Concurrent
+    demands for one upstream share one refresh."""
 
     def __init__(self, upstreams: Mapping[str, Upstream], interval_s: float) -> None:
         self.upstreams = upstreams

@@ -10,6 +10,13 @@ stream the same way). Later events are rewritten by replacing those bytes and cu
 usage member, which costs a few byte scans instead of a parse and a dump per event. Any
 event that does not look exactly as expected (a field missing or repeated, an error) takes
 the ``json`` path, so the fast path never guesses.
+
+What the client gets of the upstream's SSE fields: the data of its ``message`` (untyped) and
+``error`` events, as one ``data:`` line; comments, as they are (they keep idle connections
+open). Nothing else: ``id:`` and ``retry:`` mean nothing to the gateway's client, and the
+OpenAI SDKs read an event with any field but no data as one with empty data, which fails
+their JSON parse (an ``id`` even makes every later comment such an event). Events of other
+types (``event: ping``) and empty data are not chunks a client waits for: dropped.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import json
 import re
 from typing import Any
 
-from protocol.sse import DONE, dumps, event_data
+from protocol.sse import DONE, dumps, parse_event
 
 from .errors import BadGateway
 
@@ -30,6 +37,15 @@ _TEXT = re.compile(rb'"(?:content|text)"\s*:\s*"(?!")')
 _FINISH = re.compile(rb'"finish_reason"\s*:\s*"([A-Za-z_]{1,32})"')
 # what _learn finds: model pattern and replacement, fingerprint ditto, usage key, no choices
 _Fast = tuple[bytes, bytes, bytes, bytes, bytes, bytes]
+_CHUNK_TYPES = (b"message", b"error")  # event types whose data the client gets
+
+
+def _comments(event: bytes) -> bytes | None:
+    """The comment lines of an event without data, as an event for the client (or None)."""
+    if event[:1] == b":" and 10 not in event:  # the usual keep-alive (10: LF)
+        return event + b"\n\n"
+    kept = [line for line in event.split(b"\n") if line[:1] == b":"]
+    return b"\n".join(kept) + b"\n\n" if kept else None
 
 
 def _encodings(value: str) -> list[bytes]:
@@ -98,11 +114,12 @@ class ChunkRewriter:
         if event.startswith(b"data: ") and 10 not in event:  # one data line (10: LF, memchr)
             data = event[6:]
         else:
-            found = event_data(event)
-            if found is None:
-                # comments (": keep-alive") and other fields pass as they are
-                return event + b"\n\n" if event.strip() else None
-            data = found.strip()
+            fields = parse_event(event)
+            if fields.data is None:
+                return _comments(event)
+            if fields.type not in _CHUNK_TYPES:
+                return None
+            data = fields.data.strip()
             if 10 in data:  # several data lines (LF): only the json path writes them as one
                 return self._rewrite_json(data)
         if data == b"[DONE]":
@@ -120,6 +137,8 @@ class ChunkRewriter:
         try:
             obj = json.loads(data)
         except ValueError:
+            if not data.strip():
+                return None  # empty data: no chunk (checked only here, off the hot path)
             raise BadGateway("the upstream sent a broken stream event") from None
         if not isinstance(obj, dict):
             raise BadGateway("the upstream sent a broken stream event")

@@ -20,7 +20,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -42,27 +42,37 @@ _QUOTA_FLAGS = {
 _PRIORITY_FLAGS = {"priority_default": "default", "priority_min": "min", "priority_max": "max"}
 
 
-def _limit(text: str) -> Any:
-    if text.lower() in (UNLIMITED, "none"):
-        return _CLEAR
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError("a limit is a non-negative integer or 'unlimited'")
-    return value
+def _limit(least: int) -> Callable[[str], Any]:
+    """An argparse type: a whole number >= ``least`` (quotas 0, caps 1, as the admin API
+    validates them), or 'unlimited' (or 'none'), which clears the limit. argparse puts the
+    flag in front of the message: ``argument --tpm: expected …``."""
+    def parse(text: str) -> Any:
+        if text.strip().lower() in (UNLIMITED, "none"):
+            return _CLEAR
+        try:
+            value = int(text)
+        except ValueError:
+            value = least - 1
+        if value < least:
+            raise argparse.ArgumentTypeError(
+                f"expected a whole number >= {least} or {UNLIMITED!r}, got {text!r}")
+        return value
+    return parse
 
 
 def _policy_flags(p: argparse.ArgumentParser) -> None:
+    quota, cap = _limit(0), _limit(1)
     p.add_argument("--name")
     p.add_argument("--models", help="comma-separated model names, or '*' for all")
-    p.add_argument("--tpm", type=_limit, help="tokens per minute")
-    p.add_argument("--rpm", type=_limit, help="requests per minute")
-    p.add_argument("--tpd", type=_limit, help="tokens per day")
-    p.add_argument("--tpm-month", type=_limit, help="tokens per month")
-    p.add_argument("--max-concurrency", type=_limit)
-    p.add_argument("--max-queued", type=_limit)
-    p.add_argument("--max-body-bytes", type=_limit, help="cap: request body bytes")
-    p.add_argument("--max-prompt-tokens", type=_limit, help="cap: prompt tokens")
-    p.add_argument("--max-tokens", type=_limit, help="cap: max_tokens")
+    p.add_argument("--tpm", type=quota, help="tokens per minute")
+    p.add_argument("--rpm", type=quota, help="requests per minute")
+    p.add_argument("--tpd", type=quota, help="tokens per day")
+    p.add_argument("--tpm-month", type=quota, help="tokens per month")
+    p.add_argument("--max-concurrency", type=quota)
+    p.add_argument("--max-queued", type=quota)
+    p.add_argument("--max-body-bytes", type=cap, help="cap: request body bytes")
+    p.add_argument("--max-prompt-tokens", type=cap, help="cap: prompt tokens")
+    p.add_argument("--max-tokens", type=cap, help="cap: max_tokens")
     p.add_argument("--on-exceed", choices=["reject", "clamp"], help="over the max_tokens cap")
     p.add_argument("--priority-default", type=int)
     p.add_argument("--priority-min", type=int)

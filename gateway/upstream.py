@@ -4,9 +4,14 @@ One ``Upstream`` per model entry of gateway.yaml. It owns a pooled httpx client 
 probes, /v1/tokenize), the pool's ``members`` (one per server, ``gateway.pool``) with the
 router that picks among them, and the versions the model is served at: read from the
 bundled backend's ``/v1/models`` (``kind: sluice``) at start and every
-``refresh_interval_s``, or taken from the config for any other OpenAI-compatible server. The
-servers of one pool serve one model: the first that answers names the versions. A request
-snapshots the versions when it is resolved, so a refresh never switches a request in flight.
+``refresh_interval_s``, or taken from the config for any other OpenAI-compatible server.
+
+Each member's versions are read from that member (``Member.versions``), so a pool in the
+middle of a rolling upgrade knows which server serves which revision: pins are routed by
+them and every answer is stamped with the versions of the member that made it. A member that
+does not answer its read has its versions forgotten (unknown: no pin goes to it) until it
+answers again. ``Upstream.versions`` is the pool's face, the first member's that reports
+them: what ``/v1/models`` lists and what the token counter keys on, never an answer's stamp.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from policies.breaker import BreakerPolicy, State
 from protocol.http import digits
 from protocol.offload import TokenizePool
 from protocol.prompt_bound import PromptBound
-from protocol.versions import RESOLVED_HEADER, ServedVersions
+from protocol.versions import RESOLVED_HEADER, ServedVersions, parse_header, short
 
 from .config import GatewayConfig, ModelEntry, StaticVersions
 from .errors import BadGateway, GatewayError, GatewayTimeout, ServiceUnavailable
@@ -55,11 +60,14 @@ class Fault(Exception):
     ``gateway.failover`` retries a ``Fault`` on another server when it may."""
 
     def __init__(self, reason: str, err: GatewayError,
-                 retry_after_s: float | None = None) -> None:
+                 retry_after_s: float | None = None, neutral: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.err = err
         self.retry_after_s = retry_after_s
+        # the server is well but could not take this request (its revision moved): retried
+        # elsewhere like any fault, but its breaker is not told of a failure
+        self.neutral = neutral
 
 
 @dataclass(slots=True, frozen=True)
@@ -111,14 +119,17 @@ class Upstream:
                       read_s=t.idle, first_byte_s=t.first_byte, headers=headers)
                  for m in entry.members]
         self.members: list[Member] = build_members(entry, pools, policy)
-        self.router = Router(entry, self.members)
+        self.router = Router(entry, self.members, config.refresh_interval_s)
         self.pool = pools[0]
         static = entry.versions or StaticVersions()
+        configured = ServedVersions(static.revision, static.tokenizer, static.chat_template,
+                                    static.engine)
+        for m in self.members:  # a server that reports nothing serves what the config says
+            if not self.reports(m):
+                m.versions = configured
         self.versions: ServedVersions | None = None
         if entry.kind == "openai":
-            self.versions = ServedVersions(static.revision, static.tokenizer,
-                                             static.chat_template, static.engine)
-        self.reported_header: str | None = None  # the backend's own x-sluice-resolved
+            self.versions = configured
         self.kv_tokens: int | None = entry.capacity.kv_tokens
         self.max_seqs: int | None = entry.capacity.max_seqs
         self.max_model_len: int | None = None
@@ -168,31 +179,49 @@ class Upstream:
         for r in errors:
             if not isinstance(r, UpstreamError):
                 raise r
+        for m, read in zip(self.members, results, strict=True):
+            self._learn(m, None if isinstance(read, BaseException) else read)
         answered = [r for r in results if not isinstance(r, BaseException)]
         if not answered:
             self.last_error = str(errors[0])
             raise errors[0]
-        entry, reported = answered[0]
+        entry = answered[0][0]
         if isinstance(entry.get("max_model_len"), int):
             self.max_model_len = entry["max_model_len"]
         if self.entry.kind == "sluice":
-            ours = [(e, h) for e, h in answered if isinstance(e.get("resolved"), dict)]
+            ours = [m.versions for m in self.members if self.reports(m) and m.versions]
             if not ours:
                 self.last_error = "no server of the pool reports its versions"
                 raise UpstreamError(f"model {self.name}: {self.last_error}")
-            entry, reported = ours[0]
-            new = ServedVersions.from_report(entry["resolved"])
-            if self.versions is not None and new != self.versions:
-                log.info("model %s: upstream versions changed from %s to %s", self.name,
-                         self.versions, new)
-            self.versions = new
-            self.reported_header = reported
+            entry = next(e for e, _ in answered if isinstance(e.get("resolved"), dict))
+            self.versions = ours[0]  # a member's object: the same while it stays
             self.token_bound = PromptBound.from_report(entry)
             self._check_local_tokenizer()
         first = self.members[0]
         self.kv_tokens, self.max_seqs = first.kv_tokens, first.max_seqs
         self.last_ok = time.monotonic()
         self.last_error = None
+
+    def _learn(self, m: Member, read: tuple[dict[str, Any], str | None] | None) -> None:
+        """A sluice member's versions from its read (``None``: it did not answer, so they
+        are unknown now: it may come back at another revision)."""
+        if not self.reports(m):
+            return  # the config's, fixed
+        resolved = None if read is None else read[0].get("resolved")
+        new = ServedVersions.from_report(resolved) if isinstance(resolved, dict) else None
+        if new != m.versions:
+            if m.versions is not None:
+                log.info("model %s: upstream %s versions changed from %s to %s", self.name,
+                         m.url, m.versions, new)
+            m.versions = new
+        reported = None if read is None else read[1]
+        m.reported_header = reported if reported is not None and new is not None \
+            and header_agrees(reported, new) else None
+
+    def reports(self, m: Member) -> bool:
+        """Whether the versions of ``m`` are read from it (a bundled backend of a sluice
+        model), not taken from the config."""
+        return self.entry.kind == "sluice" and m.kind == "sluice"
 
     async def _read(self, m: Member) -> tuple[dict[str, Any], str | None]:
         """One server's /v1/models entry for this model (and its capacity, if ours)."""
@@ -213,7 +242,7 @@ class Upstream:
         if entry is None:
             m.last_error = f"it does not serve {self.served_name!r}"
             raise UpstreamError(f"{m.url}: {m.last_error}")
-        if self.entry.kind == "sluice" and m.kind == "sluice":
+        if self.reports(m):
             if not isinstance(entry.get("resolved"), dict):
                 m.last_error = "/v1/models reports no resolved versions (not a sluice backend?)"
                 raise UpstreamError(f"{m.url}: {m.last_error}")
@@ -271,6 +300,19 @@ class Upstream:
         for m in self.members:
             m.pool.close()
         await self.client.aclose()
+
+
+def header_agrees(reported: str, versions: ServedVersions) -> bool:
+    """Whether a server's ``x-sluice-resolved`` names these versions: each hash it names
+    (revision, tokenizer, chat template; shortened) equals theirs. A value of another shape
+    agrees with nothing."""
+    try:
+        fields = parse_header(reported)
+    except ValueError:
+        return False
+    ours = {"revision": short(versions.revision), "tokenizer": short(versions.tokenizer),
+            "chat_template": short(versions.chat_template)}
+    return all(fields.get(name, value) == value for name, value in ours.items())
 
 
 UPSTREAM_RETRY_AFTER_S = 1.0  # when an unavailable upstream names no Retry-After

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from policies import buckets
+from policies import buckets, hold
 from policies.periods import DAY_US, US, Periods, periods
 from policies.quotas import (
     MAX_CONCURRENCY,
@@ -44,6 +44,7 @@ class _Reservation:
     month: int
     tpm_cap: int | None    # TPM capacity it was charged against; None: not charged
     expires_us: int        # lease and reservation die together
+    started_us: int        # when it was reserved (its slot-hold time runs from here)
 
 
 @dataclass(slots=True)
@@ -59,12 +60,15 @@ class _Tenant:
     buckets: dict[str, _Bucket] = field(default_factory=dict)   # "tpm", "rpm"
     days: dict[int, _Period] = field(default_factory=dict)
     months: dict[int, _Period] = field(default_factory=dict)
+    # Insertion order is reservation order, so the first is the oldest (the clock only
+    # moves forward; Redis keeps the same order in its `starts` ZSET).
     open: dict[str, _Reservation] = field(default_factory=dict)
     # Heap over `open` by expiry; stale entries (renewed, closed) are skipped as they surface.
     expiry: list[tuple[int, str]] = field(default_factory=list)
     closed: dict[str, int] = field(default_factory=dict)        # request id -> forget at
     forget: list[tuple[int, str]] = field(default_factory=list)  # heap over `closed`
     day: int = 0                                                # last day reserve() saw
+    hold_est: hold.HoldEstimate | None = None  # how long its requests hold a slot
 
 
 class MemoryStore:
@@ -106,7 +110,7 @@ class MemoryStore:
                 denials.append((name, None if tokens > limit else end_us - now))
         cmax = quotas.max_concurrency
         if cmax is not None and len(t.open) >= cmax:
-            denials.append((MAX_CONCURRENCY, _first_expiry(t) - now if cmax > 0 else None))
+            denials.append((MAX_CONCURRENCY, _slot_wait(t, now) if cmax > 0 else None))
         denials = [(name, wait) for name, wait in denials if wait != 0]
 
         if denials:
@@ -123,7 +127,7 @@ class MemoryStore:
         day.reserved += tokens
         day.requests += 1
         month.reserved += tokens
-        t.open[request_id] = _Reservation(tokens, p.day, p.month, tcap, now + ttl)
+        t.open[request_id] = _Reservation(tokens, p.day, p.month, tcap, now + ttl, now)
         heapq.heappush(t.expiry, (now + ttl, request_id))
         return Decision(True, None, None, _rate(quotas, tpm, rpm))
 
@@ -149,6 +153,8 @@ class MemoryStore:
             level = buckets.refill(b.level, b.at_us, now, cap) if b else cap * US
             level = min(level + (r.tokens - actual_tokens) * US, cap * US)
             t.buckets["tpm"] = _Bucket(level, now, cap)
+        if actual_tokens > 0:  # a request that never ran says nothing of how long they run
+            t.hold_est = hold.observe(t.hold_est, now - r.started_us)
         _close(t, request_id, actual_tokens, max(r.expires_us, now) + DAY_US)
         return True
 
@@ -232,6 +238,13 @@ def _first_expiry(t: _Tenant) -> int:
     while not _live(t, t.expiry[0]):
         heapq.heappop(t.expiry)
     return t.expiry[0][0]
+
+
+def _slot_wait(t: _Tenant, now: int) -> int:
+    """The predicted wait for one of the tenant's slots (policies/hold.py), at most the
+    earliest lease expiry."""
+    oldest = next(iter(t.open.values()))
+    return hold.wait_us(t.hold_est, now - oldest.started_us, _first_expiry(t) - now)
 
 
 def _release_expired(t: _Tenant, now: int) -> None:

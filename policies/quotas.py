@@ -99,9 +99,10 @@ class Decision:
     """The answer of one atomic reservation.
 
     granted: everything was taken. Otherwise nothing was, `denied_by` names the binding
-    limit and `retry_after_s` is the exact time until the same reservation would succeed
-    (bucket refill, earliest lease expiry, period end), or None when it never can (the cost
-    exceeds a bucket's capacity or a budget, or max_concurrency is 0).
+    limit and `retry_after_s` is the time until the same reservation would succeed: exact
+    for a bucket refill or a period end; for max_concurrency the predicted end of the oldest
+    running request (policies/hold.py), at most the earliest lease expiry. None when it
+    never can (the cost exceeds a bucket's capacity or a budget, or max_concurrency is 0).
     """
 
     granted: bool

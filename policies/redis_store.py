@@ -1,7 +1,7 @@
 """RedisStore: the quota store shared by gateway replicas, one Lua script per decision.
 
 Key layout (prefix "sluice", tenant "alpha"); `{alpha}` is a Redis Cluster hash tag, so
-one tenant's keys share a slot, and every script declares all five in KEYS:
+one tenant's keys share a slot, and every script declares all six in KEYS:
 
     sluice:{alpha}:bucket   HASH  tpm_lvl tpm_ts tpm_cap  rpm_lvl rpm_ts rpm_cap
                                   (levels in micro-units, times in µs of Redis TIME)
@@ -13,10 +13,15 @@ one tenant's keys share a slot, and every script declares all five in KEYS:
                                   m:202503:r / m:202503:u   the same per UTC month
                                   day           last day seen (prunes on a new day:
                                                 days kept 3, months kept 2)
+                                  hold_mean hold_dev  µs a request holds its lease,
+                                                smoothed (policies/hold.py)
                                   TTL: 40 days past the last write
     sluice:{alpha}:leases   ZSET  request id -> expiry µs  (live leases = concurrency)
+    sluice:{alpha}:starts   ZSET  request id -> reserved-at µs, of each live lease (the
+                                  oldest predicts a max_concurrency wait)
     sluice:{alpha}:resv     HASH  request id -> "tokens day month tpm_cap"
-                                  TTL of both: 40 days + lease TTL past the last write
+                                  TTL of leases, starts, resv: 40 days + lease TTL past
+                                  the last write
     sluice:{alpha}:done     ZSET  closed request id -> forget-at µs (settle: lease end +
                                   1 day; expiry: + 1 day); expires with its last member
 
@@ -50,7 +55,7 @@ from policies.store import (
     ttl_us,
 )
 
-_KEYS = ("bucket", "budget", "leases", "resv", "done")
+_KEYS = ("bucket", "budget", "leases", "resv", "done", "starts")
 
 
 def connect(url: str, timeout_s: float, max_connections: int) -> Redis:

@@ -17,6 +17,10 @@ Invariants both implementations keep (one shared test suite checks them):
   TPM bucket (capped at capacity; a negative refund charges the extra), moves the day and
   month counters of the reservation's own periods from reserved to used, and releases the
   lease; later calls, and calls after expiry, return False and change nothing.
+- A max_concurrency denial waits for the oldest live lease's predicted end, learned from
+  how long the tenant's settled requests held theirs (policies/hold.py): at least 100 ms,
+  at most the earliest lease expiry (unless that is sooner than 100 ms); settle() records
+  the time held unless nothing was used.
 - Times are those of the store's clock (the injected clock, or Redis TIME), in integer
   microseconds; bucket levels are integer micro-tokens.
 """

@@ -49,6 +49,10 @@ MAX_MESSAGES = 2048
 # where one message of 130,000 text parts, or 1.3M numbers in an extra key, took 125-180 ms
 # under the message cap. Checked in the tokenize worker, before rendering.
 MAX_PROMPT_VALUES = 65_536
+# logit_bias: token ids as canonical decimal strings (no sign, no leading zero: one spelling
+# per token) mapped to a bias in [-100, 100], as OpenAI.
+TokenIdKey = Annotated[StrictStr, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")]
+Bias = Annotated[Number, Field(ge=-100, le=100)]
 
 # Every capability a server may have (the names an upstream's ``supports:`` list may use).
 CAPABILITIES = frozenset({
@@ -60,7 +64,7 @@ CAPABILITIES = frozenset({
 # What the bundled backend's engine serves; the backend refuses the rest.
 SLUICE_CAPABILITIES = frozenset({
     "top_k", "ignore_eos", "stop_token_ids", "priority", "cache_salt", "continuous_usage_stats",
-    "seed", "stop", "user",
+    "seed", "stop", "user", "n", "logprobs", "logit_bias", "penalties",
 })
 # What a generic OpenAI-compatible server is assumed to serve unless configured otherwise.
 OPENAI_CAPABILITIES = frozenset({
@@ -94,7 +98,7 @@ class GenerationRequest(BaseModel):
     user: StrictStr | None = None
     presence_penalty: Number | None = Field(None, ge=-2, le=2)
     frequency_penalty: Number | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[StrictStr, Number] | None = None
+    logit_bias: dict[TokenIdKey, Bias] | None = None
     # vLLM's sampling extensions
     top_k: Int | None = None
     min_p: Number | None = Field(None, ge=0, le=1)
@@ -136,7 +140,7 @@ class ChatRequest(GenerationRequest):
 
 class CompletionRequest(GenerationRequest):
     prompt: StrictStr | list[Int] | list[StrictStr] | list[list[Int]]
-    logprobs: Int | None = Field(None, ge=0, le=20)
+    logprobs: Int | None = Field(None, ge=0, le=20)  # top logprobs per token (vLLM: <= 20)
     echo: StrictBool | None = None
     suffix: StrictStr | None = None
     best_of: Int | None = Field(None, ge=1)
@@ -281,6 +285,9 @@ def check_capabilities(req: Request, model: str, capabilities: frozenset[str]) -
         raise BadRequest(f"the model {model!r} does not support "
                          "'stream_options.continuous_usage_stats'", "stream_options",
                          code="unsupported_parameter")
+    if isinstance(req, ChatRequest) and req.top_logprobs and not req.logprobs:
+        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs",
+                         code="invalid_value")
     if opts is not None and not req.stream:
         raise BadRequest("stream_options is only allowed with stream: true", "stream_options",
                          code="invalid_value")

@@ -22,6 +22,7 @@ from typing import Any
 
 RESOLVED_HEADER = "x-sluice-resolved"
 SHORT = 12
+MIN_PIN = 7  # hex characters of a revision a pin may stop at (as git's short hashes)
 _HEX = frozenset(string.hexdigits.lower())
 _SERVER_DOMAIN = b"sluice/fingerprint/v1"
 _GATEWAY_DOMAIN = b"sluice/gateway-fingerprint/v1"
@@ -61,7 +62,16 @@ class ServedVersions:
     def revision_matches(self, pin: str) -> bool:
         """A pin matches the full revision, or a prefix of at least 7 characters of it."""
         rev = self.revision
-        return bool(pin) and (pin == rev or (len(pin) >= 7 and rev.startswith(pin)))
+        return bool(pin) and (pin == rev or (len(pin) >= MIN_PIN and rev.startswith(pin)))
+
+    def pin_refusal(self, model: str, pin: str) -> str:
+        """Why ``pin`` does not match (the revision_mismatch message): a pin too short to be
+        a prefix says so, even where it is one, rather than claim another revision."""
+        served = f"the model {model!r} is served at revision {self.revision[:SHORT]!r}"
+        if pin != self.revision and len(pin) < MIN_PIN:
+            return (f"{served}; a pin needs at least {MIN_PIN} hex characters of the revision "
+                    f"(or all of it), and {pin!r} has {len(pin)}")
+        return f"{served}, not {pin!r}"
 
 
 @dataclass(slots=True, frozen=True)

@@ -76,11 +76,7 @@ class Telemetry:
         """Resolve the settings (raises ``TelemetryError`` on bad ones) and build."""
         settings = resolve(config, service, os.environ if env is None else env)
         tel = cls(settings, scope or service.replace("-", "."))
-        log.info("telemetry: service %s, traces %s%s, OTLP metrics %s", settings.service_name,
-                 settings.traces.exporter,
-                 f" to {settings.traces.url} ({settings.traces.protocol}, sampler "
-                 f"{settings.sampler})" if settings.tracing else "",
-                 settings.metrics.exporter)
+        log.info("telemetry: %s", describe(settings))
         return tel
 
     @property
@@ -122,6 +118,22 @@ class Telemetry:
             self.spans.shutdown(timeout_s)
         if self.pusher is not None:
             self.pusher.shutdown(timeout_s)
+
+
+def describe(s: Settings) -> str:
+    """Where spans and pushed metrics go, for the start-up log: only destinations really
+    used (an OTLP URL resolves whatever the exporter, so console must not name it)."""
+    if s.tracing and s.traces.exporter == "console":
+        traces = f"traces to stdout (console, sampler {s.sampler})"
+    elif s.tracing:
+        traces = f"traces to {s.traces.url} (OTLP {s.traces.protocol}, sampler {s.sampler})"
+    else:
+        traces = "traces off" + (f" (sampler {s.sampler})" if s.traces.exporter != "none"
+                                 else "")
+    m = s.metrics
+    metrics = (f"OTLP metrics to {m.url} ({m.protocol}, every {s.metrics_interval_s:g} s)"
+               if m.exporter == "otlp" else "OTLP metrics off")
+    return f"service {s.service_name}, {traces}, {metrics}"
 
 
 def extract(traceparent: str | None, tracestate: str | None = None) -> Context | None:

@@ -188,6 +188,9 @@ class PaddedRunner:
         inner_argmax: Argmax | None = getattr(inner, "argmax", None)
         self.argmax: Argmax = inner_argmax or torch_argmax
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        self.inner.copy_blocks(copies)
+
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         padding = self.scheduler.padding_chunks
         if not padding:

@@ -15,6 +15,16 @@ so a hit on block i implies the whole prefix up to and including block i matches
 salts can never share a block. Hashes are only registered for blocks whose K/V has been
 written (``commit``), and a sequence aborted mid-prefill un-registers the blocks only it
 held (``free(..., uncache=True)``).
+
+Forking (``n`` > 1: one prefill, several choices). ``fork`` gives a child the parent's
+whole block table, every block's ref count + 1, the partially filled last block included.
+A block is written only at positions >= the writer's ``num_computed_tokens``, and the only
+shared block that can lie there is such a forked last block: cached prefix blocks are full
+and fully computed. So ``ensure`` copies on write: a sequence about to write into a block
+that others hold takes a fresh block instead and queues the copy ``(src, dst)``
+(``take_copies``), which the engine runs before the model writes anything. The last holder
+writes in place. ``src`` stays valid until then: it had another holder, and a block freed
+and taken again in the same step is first written by the model, after the copies.
 """
 
 from __future__ import annotations
@@ -58,6 +68,7 @@ class BlockManager:
         self._hash_to_block: dict[bytes, int] = {}
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) not yet run
         self.stats = PrefixCacheStats()
 
     # ---- capacity -------------------------------------------------------------------
@@ -149,15 +160,39 @@ class BlockManager:
         return True
 
     def ensure(self, seq: Sequence, num_tokens: int) -> bool:
-        """Grow a running sequence's block table to hold ``num_tokens``. All or nothing."""
-        new = self.blocks_needed(num_tokens) - len(seq.block_table)
-        if new <= 0:
-            return True
-        if new > self.num_free_blocks:
+        """Grow a running sequence's block table to hold ``num_tokens``, copying on write
+        a shared block it is about to write into. All or nothing."""
+        table = seq.block_table
+        new = max(self.blocks_needed(num_tokens) - len(table), 0)
+        first = seq.num_computed_tokens // self.block_size  # the first block written now
+        shared = first < len(table) and self.ref_counts[table[first]] > 1
+        if new + shared > self.num_free_blocks:
             return False
+        if shared:
+            src = table[first]
+            table[first] = self._pop_free()
+            self.ref_counts[src] -= 1  # still >= 1: someone else holds it
+            self._copies.append((src, table[first]))
         for _ in range(new):
-            seq.block_table.append(self._pop_free())
+            table.append(self._pop_free())
         return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let a block-less ``child`` share all of ``parent``'s blocks and computed tokens
+        (the child's tokens must extend the parent's computed ones)."""
+        if child.block_table:
+            raise RuntimeError(f"{child.request_id} already holds blocks")
+        for b in parent.block_table:
+            self.ref_counts[b] += 1
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_committed_blocks = parent.num_committed_blocks
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write block copies queued since the last call, in order."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def free(self, seq: Sequence, uncache: bool = False) -> None:
         """Drop a sequence's references. Blocks reaching ref 0 stay reusable through the

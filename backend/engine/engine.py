@@ -7,6 +7,12 @@ Its collaborators come in through the constructor: the ``Runner`` (the model), t
 ``Scheduler`` (with its block manager and the clock), the detokenizer and salt factories, and
 an optional step hook that runs just before the model in every step that runs it (fault
 injection, ``backend/faults.py``, counts as model time).
+
+A request for ``n`` > 1 choices prefills its prompt once; in the step that computes the
+prompt's last token the scheduler forks it into ``n`` sequences sharing its KV blocks, and
+each samples its first token from that one row of logits with its own generator. Its
+deltas carry their choice's ``index``; a choice's last one has its ``finish_reason``, and
+the request's last one (the last choice to end) is ``finished``.
 """
 
 from __future__ import annotations
@@ -20,8 +26,8 @@ import torch
 
 from .errors import InvalidRequestError
 from .limits import RequestLimits
-from .outputs import EngineState, OutputDelta, RequestMetrics
-from .sampler import Argmax, make_generator, sample, torch_argmax
+from .outputs import EngineState, OutputDelta, RequestMetrics, TokenLogprob
+from .sampler import Argmax, make_generator, sample, token_logprobs, torch_argmax
 from .sampling import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import FinishReason, Sequence, SequenceStatus
@@ -35,18 +41,38 @@ class Detokenizer(Protocol):
 
 class Runner(Protocol):
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor: ...
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None: ...
 
 
 StepHook = Callable[[], None]
+
+
+# Choice i > 0 of a seeded request draws from seed + i * this (mod 2**64): odd, so the n
+# generators' seeds differ, and choice 0 draws exactly what the same request with n = 1
+# would (the golden ratio's 64-bit fraction, as splitmix64 steps).
+CHOICE_SEED_STEP = 0x9E37_79B9_7F4A_7C15
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a request seeded with ``seed``."""
+    return (seed + index * CHOICE_SEED_STEP) & 0xFFFF_FFFF_FFFF_FFFF
+
+
+@dataclass(slots=True)
+class _ChoiceState:
+    """Output-side state of one choice (one sequence) of a live request."""
+
+    detok: Detokenizer
+    stopper: StopStringMatcher
+    generator: torch.Generator | None
 
 
 @dataclass(slots=True)
 class _RequestState:
     """Output-side state of a live request."""
 
-    detok: Detokenizer
-    stopper: StopStringMatcher
-    generator: torch.Generator | None
+    choices: dict[int, _ChoiceState]  # the choices not finished yet, by index
+    num_output_tokens: int = 0  # over all its choices
     abort_mark: int | None = None  # output tokens when abort() was called
     abort_time: float | None = None  # engine clock when abort() was called
 
@@ -118,44 +144,49 @@ class LLMEngine:
             arrival_time=self.clock() if arrival_time is None else arrival_time,
             cache_salt=self.make_salt(cache_salt),
         )
+        self._requests[request_id] = _RequestState({0: self._choice_state(seq)})
+        self.scheduler.add(seq)
+        return seq
+
+    def _choice_state(self, seq: Sequence) -> _ChoiceState:
+        params = seq.params
         generator = None
         if not params.greedy:
             if params.seed is not None:
-                generator = make_generator(params.seed)
+                generator = make_generator(choice_seed(params.seed, seq.index))
             else:
                 self._num_unseeded += 1
                 generator = make_generator(self.seed * 1_000_003 + self._num_unseeded)
-        self._requests[request_id] = _RequestState(
-            detok=self.make_detokenizer(seq.prompt_token_ids),
-            stopper=StopStringMatcher(params.stop),
-            generator=generator,
-        )
-        self.scheduler.add(seq)
-        return seq
+        return _ChoiceState(self.make_detokenizer(seq.prompt_token_ids),
+                            StopStringMatcher(params.stop), generator)
 
     def mark_abort(self, request_id: str, *, at: float | None = None) -> None:
         """Note how far a request had got when its abort was asked for (any thread).
         ``at``: when it was asked, on this engine's clock, by an asker in another process
         whose message arrives later: the mark counts the tokens made until then."""
         state = self._requests.get(request_id)
-        seq = self.scheduler.get(request_id)
-        if state is not None and seq is not None and state.abort_mark is None:
+        group = self.scheduler.group(request_id)
+        if state is not None and group and state.abort_mark is None:
             if at is None:
-                state.abort_mark, state.abort_time = seq.num_output_tokens, self.clock()
+                state.abort_mark, state.abort_time = state.num_output_tokens, self.clock()
             else:
-                state.abort_mark, state.abort_time = bisect.bisect_right(seq.token_times, at), at
+                later = sum(len(s.token_times) - bisect.bisect_right(s.token_times, at)
+                            for s in group)
+                state.abort_mark, state.abort_time = state.num_output_tokens - later, at
 
     def abort(self, request_id: str) -> OutputDelta | None:
-        """Abort from any state; frees the blocks now. Unknown/finished ids: no-op."""
+        """Abort from any state (every choice); frees the blocks now. Unknown/finished ids:
+        no-op."""
         state = self._requests.get(request_id)
         seq = self.scheduler.abort(request_id)
         if seq is None or state is None:
             return None
         self.aborted += 1
-        mark = state.abort_mark if state.abort_mark is not None else seq.num_output_tokens
-        after = seq.num_output_tokens - mark
+        mark = state.abort_mark if state.abort_mark is not None else state.num_output_tokens
+        after = state.num_output_tokens - mark
         self.max_tokens_after_abort = max(self.max_tokens_after_abort, after)
         seq.finished_time = self.clock()
+        state.choices.clear()
         return self._final_delta(seq, "", (), (), tokens_after_abort=after,
                                  abort_time=state.abort_time)
 
@@ -176,27 +207,55 @@ class LLMEngine:
         started = self.clock()
         if self.step_hook is not None:  # counted as model time (a slow model, in faults.py)
             self.step_hook()
+        if out.copies:  # copy on write of forked blocks, before the model writes into them
+            self.runner.copy_blocks(out.copies)
         logits = self.runner.execute(out.chunks)
         now = self.clock()
         self.steps += 1
         self.scheduler.on_step_done(out, started, now)
         sampling = [c.seq for c in out.chunks if c.samples]
+        if any(s.awaits_fork for s in sampling):
+            sampling, logits = self._fork(sampling, logits)
         params = [s.params for s in sampling]
         gens = [self._generator(s) for s in sampling]
-        tokens = sample(logits, params, gens, self._argmax)
-        return [self._append_token(seq, tok, now) for seq, tok in zip(sampling, tokens)]
+        outputs = [s.output_token_ids if s.params.penalized else () for s in sampling]
+        tokens = sample(logits, params, gens, self._argmax, outputs)
+        lps = token_logprobs(logits, params, tokens)
+        return [self._append_token(seq, tok, now, lp)
+                for seq, tok, lp in zip(sampling, tokens, lps)]
+
+    def _fork(self, sampling: list[Sequence],
+              logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+        """Fork the requests whose prompt was just computed into their ``n`` choices; the
+        sampling sequences and their logits rows, each child's a copy of its parent's."""
+        seqs: list[Sequence] = []
+        rows: list[int] = []
+        for row, seq in enumerate(sampling):
+            seqs.append(seq)
+            rows.append(row)
+            if seq.awaits_fork:
+                state = self._requests[seq.request_id]
+                for child in self.scheduler.fork(seq):
+                    state.choices[child.index] = self._choice_state(child)
+                    seqs.append(child)
+                    rows.append(row)
+        return seqs, logits.index_select(0, torch.tensor(rows, dtype=torch.long))
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         state = self._requests.get(seq.request_id)
-        return state.generator if state is not None else None
+        choice = state.choices.get(seq.index) if state is not None else None
+        return choice.generator if choice is not None else None
 
-    def _append_token(self, seq: Sequence, tok: int, now: float) -> OutputDelta:
+    def _append_token(self, seq: Sequence, tok: int, now: float,
+                      lp: TokenLogprob | None = None) -> OutputDelta:
         seq.token_ids.append(tok)
         self.generated_tokens += 1
         seq.token_times.append(now)
         if seq.first_token_time is None:
             seq.first_token_time = now
         state = self._requests[seq.request_id]
+        state.num_output_tokens += 1
+        choice = state.choices[seq.index]
         p = seq.params
         reason: FinishReason | None = None
         text = ""
@@ -204,7 +263,7 @@ class LLMEngine:
         if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             reason = FinishReason.STOP  # the stop token itself is not part of the text
         else:
-            text, matched = state.stopper.feed(state.detok.add([tok]))
+            text, matched = choice.stopper.feed(choice.detok.add([tok]))
             if matched:
                 reason = FinishReason.STOP
         if reason is None:
@@ -214,21 +273,37 @@ class LLMEngine:
                 request_id=seq.request_id, text=text, token_ids=(tok,), token_times=(now,),
                 finished=False, finish_reason=None, num_prompt_tokens=seq.num_prompt_tokens,
                 num_cached_tokens=seq.num_cached_tokens,
-                num_output_tokens=seq.num_output_tokens)
+                num_output_tokens=state.num_output_tokens,
+                logprobs=None if lp is None else (lp,), index=seq.index)
         if not matched:  # release what was held back: an unfinished character, a partial stop
-            tail, matched = state.stopper.feed(state.detok.flush())
-            text += tail if matched else tail + state.stopper.flush()
+            tail, matched = choice.stopper.feed(choice.detok.flush())
+            text += tail if matched else tail + choice.stopper.flush()
         seq.finish_reason = reason
         seq.finished_time = now
-        delta = self._final_delta(seq, text, (tok,), (now,))
+        del state.choices[seq.index]
+        delta = self._final_delta(seq, text, (tok,), (now,),
+                                  logprobs=None if lp is None else (lp,))
         self.scheduler.finish(seq, reason)
         return delta
 
     def _final_delta(self, seq: Sequence, text: str, token_ids: tuple[int, ...],
                      token_times: tuple[float, ...],
                      tokens_after_abort: int | None = None,
-                     abort_time: float | None = None) -> OutputDelta:
-        self._requests.pop(seq.request_id, None)
+                     abort_time: float | None = None,
+                     logprobs: tuple[TokenLogprob, ...] | None = None) -> OutputDelta:
+        """The last delta of ``seq``'s choice (its ``choices`` entry already dropped); the
+        request's last (``finished``, with metrics) if no other choice is left."""
+        state = self._requests[seq.request_id]
+        reason = seq.finish_reason.value if seq.finish_reason else None
+        if state.choices:
+            return OutputDelta(
+                request_id=seq.request_id, text=text, token_ids=token_ids,
+                token_times=token_times, finished=False, finish_reason=reason,
+                num_prompt_tokens=seq.num_prompt_tokens,
+                num_cached_tokens=seq.num_cached_tokens,
+                num_output_tokens=state.num_output_tokens, logprobs=logprobs,
+                index=seq.index)
+        del self._requests[seq.request_id]
         metrics = RequestMetrics(
             arrival_time=seq.arrival_time,
             first_scheduled_time=seq.first_scheduled_time,
@@ -240,12 +315,12 @@ class LLMEngine:
             prefill_chunks=tuple(seq.prefill_chunks),
             abort_time=abort_time,
         )
-        reason = seq.finish_reason.value if seq.finish_reason else None
         return OutputDelta(
             request_id=seq.request_id, text=text, token_ids=token_ids,
             token_times=token_times, finished=True, finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
-            num_output_tokens=seq.num_output_tokens, metrics=metrics)
+            num_output_tokens=state.num_output_tokens, metrics=metrics, logprobs=logprobs,
+            index=seq.index)
 
     # ---- introspection ----------------------------------------------------------------
     def state(self) -> EngineState:

@@ -30,6 +30,10 @@ class RequestLimits:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
                 raise InvalidRequestError(
                     f"prompt token {t!r} is not an id in [0, {vocab_size})", "prompt")
+        for t, _ in params.logit_bias:
+            if t >= vocab_size:
+                raise InvalidRequestError(
+                    f"logit_bias token {t} is not an id in [0, {vocab_size})", "logit_bias")
         n = len(prompt_token_ids)
         if n >= max_model_len:
             raise PromptTooLongError(

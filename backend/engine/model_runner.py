@@ -37,6 +37,16 @@ class ModelRunner:
         return fused.argmax(logits) if fused is not None else torch_argmax(logits)
 
     @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks, ``(src, dst)`` pairs in order, in every layer (copy on
+        write of a forked sequence's last block, ``BlockManager.ensure``)."""
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
+        for k, v in self.kv_caches:  # [kv_heads, num_blocks, block_size, head_dim]
+            k.index_copy_(1, dst, k.index_select(1, src))
+            v.index_copy_(1, dst, v.index_select(1, src))
+
+    @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Run one step; return float32 CPU logits for the chunks that sample, in order."""
         input_ids: list[int] = []

@@ -35,6 +35,16 @@ class RequestMetrics:
 
 
 @dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model's raw distribution
+    (``log_softmax`` of its logits) and the ``SamplingParams.logprobs`` most likely
+    tokens there, most likely first: (token id, logprob) each."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(slots=True, frozen=True)
 class OutputDelta:
     """New output of one request since its previous delta."""
 
@@ -46,8 +56,13 @@ class OutputDelta:
     finish_reason: str | None  # stop | length | abort, on the final delta
     num_prompt_tokens: int
     num_cached_tokens: int
-    num_output_tokens: int  # total so far
+    num_output_tokens: int  # total so far, over all choices
     metrics: RequestMetrics | None = None  # on the final delta
+    # one per token of token_ids, for requests that asked (SamplingParams.logprobs)
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    # the choice (0..n-1) these tokens belong to. With n > 1, a choice's last delta has
+    # its finish_reason; only the request's last one (its last choice to end) is finished.
+    index: int = 0
 
 
 @dataclass(slots=True, frozen=True)

@@ -6,13 +6,20 @@ from dataclasses import dataclass, field
 
 from .errors import InvalidRequestError
 
+MAX_LOGPROBS = 20  # top logprobs per token, at most (OpenAI's chat limit)
+MAX_N = 128  # choices per request, at most (OpenAI's limit)
+
 
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop.
 
     temperature == 0 means greedy. ``seed`` makes sampling reproducible whatever else is
-    in the batch: each seeded request draws from its own generator.
+    in the batch: each seeded request draws from its own generator. ``presence_penalty``
+    and ``frequency_penalty`` (OpenAI's, over the output tokens) and ``logit_bias``
+    ((token id, bias) pairs, ids unique) change the logits before greedy or random picks.
+    ``logprobs``: report each output token's logprob and this many top ones (None: none).
+    ``n``: how many choices to generate from one prefill of the prompt.
     """
 
     max_tokens: int = 16
@@ -23,6 +30,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    n: int = 1
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -44,10 +56,42 @@ class SamplingParams:
                                       "stop_token_ids")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError("ignore_eos must be a boolean", "ignore_eos")
+        _check_int("n", self.n, minimum=1)
+        if self.n > MAX_N:
+            raise InvalidRequestError(f"n must be at most {MAX_N}", "n")
+        _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_logit_bias(self.logit_bias)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, minimum=0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise InvalidRequestError(f"logprobs must be at most {MAX_LOGPROBS}",
+                                          "logprobs")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Presence or frequency penalties apply (the sampler needs the output tokens)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _check_logit_bias(pairs: object) -> None:
+    if not isinstance(pairs, tuple):
+        raise InvalidRequestError("logit_bias must be (token id, bias) pairs", "logit_bias")
+    seen: set[int] = set()
+    for pair in pairs:
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise InvalidRequestError("logit_bias must be (token id, bias) pairs",
+                                      "logit_bias")
+        token, bias = pair
+        _check_int("logit_bias", token, minimum=0)
+        _check_number("logit_bias", bias, -100.0, 100.0)
+        if token in seen:
+            raise InvalidRequestError(f"logit_bias names token {token} twice", "logit_bias")
+        seen.add(token)
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:

@@ -19,6 +19,16 @@ One step, in order:
   2. Waiting sequences, most urgent first, are admitted while budget, sequence slots and
      blocks last. One that does not fit is skipped so smaller ones behind it still run;
      step 0 makes room for it as soon as preempting less urgent work would.
+
+Several choices (``n`` > 1). A request is admitted as one sequence that holds ``n`` slots
+of ``max_num_seqs`` (all of them, if ``n`` is larger) and prefills the prompt once; when
+the prompt is computed the engine forks it (``fork``) into ``n`` sequences that share its
+blocks, each reference-counted. From then on each choice is scheduled, preempted and
+finished as a sequence of its own; the request lives (``group``) until its last choice
+ends, and ``abort`` ends them all. Preemption is per sequence, which is correct because
+nothing but ref counts ties the choices: a preempted choice drops its references (the
+shared prompt blocks stay with its siblings, hashed), and its recompute finds them again
+as a prefix-cache hit, so only its own tail is computed twice.
 """
 
 from __future__ import annotations
@@ -52,6 +62,8 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # copy-on-write block copies (src, dst) to run before the model (BlockManager.ensure)
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -85,7 +97,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by key
         self.running: list[Sequence] = []
         self._keys: dict[str, tuple[float, int]] = {}
-        self._by_id: dict[str, Sequence] = {}
+        self._by_id: dict[str, list[Sequence]] = {}  # a request's live sequences
         self._counter = 0
         self.num_preemptions = 0
 
@@ -100,7 +112,7 @@ class Scheduler:
         self._counter += 1
         self._keys[seq.request_id] = (seq.priority * self.aging_s + seq.arrival_time,
                                       self._counter)
-        self._by_id[seq.request_id] = seq
+        self._by_id[seq.request_id] = [seq]
         seq.status = SequenceStatus.WAITING
         self._insert_waiting(seq)
 
@@ -108,7 +120,39 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=self.key)
 
     def get(self, request_id: str) -> Sequence | None:
-        return self._by_id.get(request_id)
+        """A live sequence of the request (its lowest choice still running), or None."""
+        group = self._by_id.get(request_id)
+        return group[0] if group else None
+
+    def group(self, request_id: str) -> list[Sequence]:
+        """The request's live sequences (one per choice not finished yet)."""
+        return list(self._by_id.get(request_id, ()))
+
+    def fork(self, parent: Sequence) -> list[Sequence]:
+        """Start choices 1..n-1 of a request whose prompt ``parent`` has just computed:
+        running sequences with its tokens, sharing its blocks (copy on write)."""
+        children = []
+        for i in range(1, parent.params.n):
+            child = Sequence(
+                request_id=parent.request_id, prompt_token_ids=parent.prompt_token_ids,
+                params=parent.params, priority=parent.priority,
+                arrival_time=parent.arrival_time, cache_salt=parent.cache_salt, index=i,
+                token_ids=list(parent.token_ids), status=SequenceStatus.RUNNING,
+                num_cached_tokens=parent.num_cached_tokens,
+                num_preemptions=parent.num_preemptions,
+                first_scheduled_time=parent.first_scheduled_time,
+                prefill_chunks=list(parent.prefill_chunks))
+            self.bm.fork(parent, child)
+            children.append(child)
+        self.running.extend(children)
+        self._by_id[parent.request_id].extend(children)
+        return children
+
+    def _slots(self, seq: Sequence) -> int:
+        return min(seq.num_slots, self.max_num_seqs)
+
+    def _slots_used(self) -> int:
+        return sum(self._slots(s) for s in self.running)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -128,16 +172,20 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         if seq.finish_reason is None:
             seq.finish_reason = reason
-        self._keys.pop(seq.request_id, None)
-        self._by_id.pop(seq.request_id, None)
+        group = self._by_id.get(seq.request_id, [])
+        if seq in group:
+            group.remove(seq)
+        if not group:  # the request's last choice
+            self._keys.pop(seq.request_id, None)
+            self._by_id.pop(seq.request_id, None)
 
     def abort(self, request_id: str) -> Sequence | None:
-        """Finish a request with reason abort; unknown or finished ids are a no-op."""
-        seq = self._by_id.get(request_id)
-        if seq is None:
-            return None
-        self.finish(seq, FinishReason.ABORT)
-        return seq
+        """Finish every choice of a request with reason abort; the first of them, or None
+        (unknown or finished ids are a no-op)."""
+        group = self.group(request_id)
+        for seq in group:
+            self.finish(seq, FinishReason.ABORT)
+        return group[0] if group else None
 
     def preempt(self, seq: Sequence) -> None:
         """Drop a running sequence's KV (recompute later) and queue it again."""
@@ -157,6 +205,7 @@ class Scheduler:
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if len(out.preempted) == made_room:  # admitting while running ones starve would thrash
             self._schedule_waiting(out, budget)
+        out.copies = self.bm.take_copies()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -179,16 +228,20 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         admitted: list[Sequence] = []
         skipped = 0
+        slots = self._slots_used()
         for seq in self.waiting:
-            if budget <= 0 or len(self.running) + len(admitted) >= self.max_num_seqs:
+            if budget <= 0 or slots >= self.max_num_seqs:
                 break
-            num_new = self.try_admit(seq, budget, reserve=self.watermark_blocks)
+            num_new = None
+            if slots + self._slots(seq) <= self.max_num_seqs:
+                num_new = self.try_admit(seq, budget, reserve=self.watermark_blocks)
             if num_new is None:
                 skipped += 1  # does not fit now; smaller requests behind it may
                 if skipped >= MAX_SKIPPED_PER_STEP:
                     break
                 continue
             admitted.append(seq)
+            slots += self._slots(seq)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
             budget -= num_new
         for seq in admitted:
@@ -219,7 +272,7 @@ class Scheduler:
         victims = [s for s in self.running if self.key(s) > head_key]
         if not victims:
             return
-        slots_short = len(self.running) + 1 > self.max_num_seqs
+        slots_short = self._slots_used() + self._slots(head) > self.max_num_seqs
         first_chunk = min(head.num_tokens, self.max_num_batched_tokens)
         need = self.bm.blocks_needed(first_chunk) + self.watermark_blocks
         if not slots_short and need <= self.bm.num_free_blocks:
@@ -231,7 +284,8 @@ class Scheduler:
         for victim in reversed(victims):  # least urgent first
             self.preempt(victim)
             out.preempted.append(victim)
-            if need <= self.bm.num_free_blocks and len(self.running) < self.max_num_seqs:
+            if need <= self.bm.num_free_blocks \
+                    and self._slots_used() + self._slots(head) <= self.max_num_seqs:
                 break
 
     # ---- after the model ran ------------------------------------------------------------

@@ -32,6 +32,9 @@ class Sequence:
       [i*block_size, (i+1)*block_size)).
     - ``block_hashes[i]`` is the chained hash of full block i, known once its tokens are.
     - A WAITING sequence holds no blocks and has ``num_computed_tokens == 0``.
+    - A request with ``params.n`` = k > 1 is one sequence (``index`` 0) until its first
+      token, then k sequences of the same ``request_id`` and indexes 0..k-1, forked from
+      it after its prefill (``Scheduler.fork``), which share its blocks.
     """
 
     request_id: str
@@ -40,6 +43,7 @@ class Sequence:
     priority: int = 0
     arrival_time: float = 0.0
     cache_salt: bytes = b""
+    index: int = 0  # the choice this sequence generates (``n`` > 1)
     token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -73,6 +77,16 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def awaits_fork(self) -> bool:
+        """A request for several choices that has not forked yet (it holds their slots)."""
+        return self.params.n > 1 and self.num_tokens == self.num_prompt_tokens
+
+    @property
+    def num_slots(self) -> int:
+        """Sequence slots (``max_num_seqs``) this sequence holds or will hold."""
+        return self.params.n if self.awaits_fork else 1
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -18,7 +18,7 @@ from modelfiles.errors import ModelFileError
 
 from . import errors as engine_errors
 from .errors import EngineError, InvalidRequestError
-from .outputs import EngineState, OutputDelta, RequestMetrics
+from .outputs import EngineState, OutputDelta, RequestMetrics, TokenLogprob
 
 _HEAD = struct.Struct("!cI")  # kind, body length
 PICKLE, MARSHAL = b"p", b"m"
@@ -87,13 +87,16 @@ def delta_to_wire(d: OutputDelta) -> tuple[Any, ...]:
             None if m is None else (
                 m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time,
                 m.token_times, m.num_preemptions, m.tokens_after_abort, m.prefill_chunks,
-                m.abort_time))
+                m.abort_time),
+            None if d.logprobs is None else tuple((x.logprob, x.top) for x in d.logprobs),
+            d.index)
 
 
 def delta_from_wire(t: tuple[Any, ...]) -> OutputDelta:
-    m = t[9]
+    m, lps = t[9], t[10]
     return OutputDelta(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8],
-                       None if m is None else RequestMetrics(*m))
+                       None if m is None else RequestMetrics(*m),
+                       None if lps is None else tuple(TokenLogprob(*x) for x in lps), t[11])
 
 
 def state_to_wire(s: EngineState) -> tuple[Any, ...]:

@@ -14,12 +14,13 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from backend.engine.errors import EngineError
+from backend.engine.outputs import TokenLogprob
 from protocol.errors import ApiError, InternalError, ServiceUnavailable
 from protocol.sse import dumps, error_event
 
 from .errors import from_engine_error
 from .service import ModelService, Prepared
-from .sse import ChunkEncoder, whole_response
+from .sse import Choice, ChunkEncoder, whole_response
 from .tracing import RequestRecord
 
 log = logging.getLogger("sluice.backend")
@@ -112,20 +113,28 @@ class GenerationResponse:
         except Exception as exc:  # noqa: BLE001 - the connection may be gone already
             log.debug("could not tell the client about the abort: %r", exc)
 
+    def _logprobs(self, entries: list[tuple[int, TokenLogprob]]) -> dict[str, Any] | None:
+        """The whole response's logprobs object, when the request asked for one."""
+        if self.p.params.logprobs is None:
+            return None
+        fmt = self.service.logprob_format
+        return fmt.chat(entries) if self.p.kind == "chat" else fmt.completion(entries, 0)[0]
+
     async def _whole(self, send: Send) -> None:
-        parts: list[str] = []
+        choices = [Choice() for _ in range(self.p.params.n)]
         try:
             stream = await self.service.open(self.p, self.rec)
             async with stream:  # closing it aborts the request unless it finished
                 async for delta in stream:
-                    if delta.text:
-                        parts.append(delta.text)
+                    choices[delta.index].add(delta)
                     if not delta.finished:
                         continue
                     if delta.finish_reason == "abort":
                         raise ServiceUnavailable(
                             "the request was aborted: the server is shutting down")
-                    body = whole_response(self.p, "".join(parts), delta)
+                    lps = None if self.p.params.logprobs is None \
+                        else [self._logprobs(c.entries) for c in choices]
+                    body = whole_response(self.p, choices, delta, lps)
                     self._started = True
                     self.rec.status = 200
                     self.service.end(self.rec)
@@ -142,7 +151,10 @@ class GenerationResponse:
         await send_json(send, bug.status, bug.json_bytes())
 
     async def _stream(self, send: Send, raw_send: Send) -> None:
-        enc = ChunkEncoder(self.p)
+        wants_logprobs = self.p.params.logprobs is not None
+        enc = ChunkEncoder(self.p, self.service.logprob_format if wants_logprobs else None)
+        # per choice, the logprobs of tokens not yet sent
+        pending: dict[int, list[tuple[int, TokenLogprob]]] = {}
         self._started = True
         self.rec.status = 200
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
@@ -154,6 +166,9 @@ class GenerationResponse:
             stream = await self.service.open(self.p, self.rec)
             async with stream:  # closing it aborts the request unless it finished
                 async for delta in stream:
+                    if delta.logprobs is not None:
+                        pending.setdefault(delta.index, []).extend(
+                            zip(delta.token_ids, delta.logprobs))
                     if delta.finished:
                         if delta.finish_reason == "abort":
                             err = self.rec.error = ServiceUnavailable(
@@ -161,13 +176,21 @@ class GenerationResponse:
                                 code="aborted")
                             body = error_event(err)
                         else:
-                            body = enc.final(delta)
+                            body = enc.final(delta, pending.pop(delta.index, []))
                             self.service.end(self.rec)
                         await raw_send({"type": "http.response.body", "body": body})
                         return
-                    if delta.text:  # an empty delta holds back a partial character or stop
-                        await raw_send({"type": "http.response.body",
-                                        "body": chunk(delta.text, delta), "more_body": True})
+                    if delta.finish_reason is not None:  # one choice of several ends
+                        await raw_send({"type": "http.response.body", "more_body": True,
+                                        "body": enc.end(delta, pending.pop(delta.index, []))})
+                    elif delta.text:  # an empty delta holds back a partial character or stop
+                        if pending and delta.index in pending:  # they go with the next text
+                            body = enc.with_logprobs(delta.text, delta,
+                                                     pending.pop(delta.index))
+                        else:
+                            body = chunk(delta.text, delta)
+                        await raw_send({"type": "http.response.body", "body": body,
+                                        "more_body": True})
         except (EngineError, ApiError) as exc:
             failure = self.rec.error = exc if isinstance(exc, ApiError) \
                 else from_engine_error(exc)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from backend.engine.sampling import SamplingParams
-from protocol.contract import Request
+from protocol.contract import ChatRequest, Request
 
 
 def sampling_params(req: Request, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
@@ -36,4 +36,17 @@ def sampling_params(req: Request, num_prompt_tokens: int, max_model_len: int) ->
         stop=stop,
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=bool(req.ignore_eos),
+        n=req.n or 1,
+        presence_penalty=float(req.presence_penalty or 0.0),
+        frequency_penalty=float(req.frequency_penalty or 0.0),
+        logit_bias=tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items()),
+        logprobs=logprobs(req),
     )
+
+
+def logprobs(req: Request) -> int | None:
+    """How many top logprobs per token (None: no logprobs): chat's ``logprobs: true`` with
+    ``top_logprobs`` (0-20), completions' ``logprobs`` (0-5)."""
+    if isinstance(req, ChatRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs

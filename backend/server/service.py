@@ -50,6 +50,7 @@ from protocol.prompt_bound import PromptBound
 from telemetry import Telemetry, extract, priority_class
 
 from .errors import from_model_file_error
+from .logprobs import LogprobFormat
 from .metrics import ServerMetrics
 from .sampling import sampling_params
 from .tracing import NO_TENANT, RequestRecord, emit_spans
@@ -124,6 +125,7 @@ class ModelService:
         self.model_name = engine.info.model_name
         self.max_model_len = engine.info.limits.max_model_len
         self.token_bound = PromptBound.of(self.tokenizer.longest_token)  # reads the vocabulary
+        self.logprob_format = LogprobFormat(self.tokenizer)
         self.tokenize_pool = tokenize_pool or TokenizePool()
         self.fingerprint = self.versions.fingerprint()
         self.resolved_header = self.versions.header_value().encode("latin-1", "replace")
@@ -171,8 +173,7 @@ class ModelService:
             served = self.versions.versions
             if served.revision_matches(rev):
                 return
-            raise RevisionMismatch(f"model {name!r} is served at revision "
-                                   f"{served.revision[:12]!r}, not {rev!r}")
+            raise RevisionMismatch(served.pin_refusal(name, rev))
         raise ModelNotFound(f"the model {model!r} does not exist; this server serves "
                             f"{self.model_name!r}", "model")
 

@@ -7,11 +7,13 @@
 --   KEYS[3] leases  ZSET  request id -> expiry (µs)
 --   KEYS[4] resv    HASH  request id -> "tokens day month tpm_cap" (tpm_cap -1: not charged)
 --   KEYS[5] done    ZSET  request id -> forget-at (µs): closed ids, refused by reserve
+--   KEYS[6] starts  ZSET  request id -> reserved-at (µs) of each live lease
 -- Time is Redis TIME in integer µs; bucket levels are integer micro-units. Lua numbers
 -- are doubles, exact below 2^53; every number written goes through int() so that Redis
 -- stores its exact decimal (tostring would write 1.7e+15).
 
 local K_BUCKET, K_BUDGET, K_LEASES, K_RESV, K_DONE = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local K_STARTS = KEYS[6]
 local US = 1000000
 local DAY_US = 86400 * US
 local KEEP_MS = 40 * 86400 * 1000  -- budget, leases, resv live 40 days past their last write
@@ -122,6 +124,7 @@ local function close(rid, rec, actual, forget_at)
     end
   end
   redis.call('ZREM', K_LEASES, rid)
+  redis.call('ZREM', K_STARTS, rid)
   redis.call('HDEL', K_RESV, rid)
   redis.call('ZADD', K_DONE, int(forget_at), rid)
   local last = redis.call('ZRANGE', K_DONE, -1, -1, 'WITHSCORES')
@@ -134,7 +137,37 @@ local function sweep(now)
   local expired = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', int(now))
   for _, rid in ipairs(expired) do
     local rec = redis.call('HGET', K_RESV, rid)
-    if rec then close(rid, rec, nil, now + DAY_US) else redis.call('ZREM', K_LEASES, rid) end
+    if rec then
+      close(rid, rec, nil, now + DAY_US)
+    else
+      redis.call('ZREM', K_LEASES, rid)
+      redis.call('ZREM', K_STARTS, rid)
+    end
   end
   redis.call('ZREMRANGEBYSCORE', K_DONE, '-inf', int(now))
+end
+
+-- Slot-hold estimate, mirrored by policies/hold.py: the mean and mean deviation (µs) of
+-- how long the tenant's requests held a lease, reserve to settle, in the budget hash.
+local HOLD_MIN_WAIT, HOLD_COLD_WAIT = 100000, 1000000
+
+local function observe_hold(held)
+  held = math.max(0, held)
+  local st = redis.call('HMGET', K_BUDGET, 'hold_mean', 'hold_dev')
+  local mean, dev = held, math.floor(held / 2)
+  if st[1] and st[2] then
+    local m, v = tonumber(st[1]), tonumber(st[2])
+    local err = held - m
+    mean, dev = m + math.floor(err / 8), v + math.floor((math.abs(err) - v) / 4)
+  end
+  redis.call('HSET', K_BUDGET, 'hold_mean', int(mean), 'hold_dev', int(dev))
+end
+
+-- The predicted wait for a slot: the oldest live lease is `age` old, the earliest lease
+-- expiry is `bound` away (the upper bound, unless below the floor).
+local function hold_wait(age, bound)
+  local st = redis.call('HMGET', K_BUDGET, 'hold_mean', 'hold_dev')
+  local guess = HOLD_COLD_WAIT
+  if st[1] and st[2] then guess = math.max(tonumber(st[1]) - age, tonumber(st[2])) end
+  return math.max(HOLD_MIN_WAIT, math.min(bound, guess))
 end

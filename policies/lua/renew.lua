@@ -6,5 +6,6 @@ sweep(now)
 if not redis.call('ZSCORE', K_LEASES, rid) then return 0 end
 redis.call('ZADD', K_LEASES, 'XX', int(now + ttl), rid)
 redis.call('PEXPIRE', K_LEASES, int(KEEP_MS + math.ceil(ttl / 1000)))
+redis.call('PEXPIRE', K_STARTS, int(KEEP_MS + math.ceil(ttl / 1000)))
 redis.call('PEXPIRE', K_RESV, int(KEEP_MS + math.ceil(ttl / 1000)))
 return 1

@@ -47,7 +47,13 @@ if tpmo >= 0 and month_total + cost > tpmo then
 end
 if cmax >= 0 and redis.call('ZCARD', K_LEASES) >= cmax then
   local first = redis.call('ZRANGE', K_LEASES, 0, 0, 'WITHSCORES')
-  check('max_concurrency', (cmax > 0 and first[2]) and (tonumber(first[2]) - now) or nil)
+  local wait = nil
+  if cmax > 0 and first[2] then  -- predicted from the oldest lease's age, at most its expiry
+    local oldest = redis.call('ZRANGE', K_STARTS, 0, 0, 'WITHSCORES')
+    local age = oldest[2] and now - tonumber(oldest[2]) or 0  -- 0: a lease from before starts
+    wait = hold_wait(age, tonumber(first[2]) - now)
+  end
+  check('max_concurrency', wait)
 end
 
 local granted = 0
@@ -61,8 +67,10 @@ else
   redis.call('HINCRBY', K_BUDGET, d .. ':n', 1)
   redis.call('HINCRBY', K_BUDGET, m .. ':r', int(cost))
   redis.call('ZADD', K_LEASES, int(now + ttl), rid)
+  redis.call('ZADD', K_STARTS, int(now), rid)
   redis.call('HSET', K_RESV, rid, int(cost) .. ' ' .. p.day .. ' ' .. p.month .. ' ' .. int(tpm))
   redis.call('PEXPIRE', K_LEASES, int(KEEP_MS + math.ceil(ttl / 1000)))
+  redis.call('PEXPIRE', K_STARTS, int(KEEP_MS + math.ceil(ttl / 1000)))
   redis.call('PEXPIRE', K_RESV, int(KEEP_MS + math.ceil(ttl / 1000)))
 end
 redis.call('PEXPIRE', K_BUDGET, int(KEEP_MS))

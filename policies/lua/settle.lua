@@ -2,7 +2,8 @@
 -- ARGV: request_id, actual_tokens. Returns 1, or 0 (and changes nothing) if the id is not
 -- an open reservation: never reserved, settled already, or expired and released.
 -- The TPM bucket gets back (reserved - actual), capped at capacity; a negative difference
--- (an under-reported bound) is charged, possibly into debt.
+-- (an under-reported bound) is charged, possibly into debt. A settle that used tokens is a
+-- sample of how long the tenant's requests hold a slot (observe_hold).
 local rid, actual = ARGV[1], tonumber(ARGV[2])
 local now = now_us()
 sweep(now)
@@ -15,6 +16,8 @@ if charged >= 0 then
   local level = math.min(level_of('tpm', cap, now) + (tokens - actual) * US, cap * US)
   save_bucket('tpm', level, now, cap)
 end
+local began = redis.call('ZSCORE', K_STARTS, rid)
+if actual > 0 and began then observe_hold(now - tonumber(began)) end
 local expiry = tonumber(redis.call('ZSCORE', K_LEASES, rid))
 close(rid, rec, actual, math.max(expiry, now) + DAY_US)
 return 1

@@ -33,6 +33,9 @@ class FakeBackend:
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []  # of each generation request
         self.tokenized: list[dict[str, str]] = []  # the headers of each /v1/tokenize
+        # (x-request-id, the revision it answered at, monotonic time) of each generation
+        # answered 200
+        self.served: list[tuple[str, str, float]] = []
         self.token_bound: dict[str, Any] | None = None  # reported in /v1/models if set
         self.aborted = 0  # streams the client (the gateway) left before the end
         self.finished = 0
@@ -69,23 +72,27 @@ class FakeBackend:
         return len(self.server.server_state.connections)
 
     # ---- what it reports ----------------------------------------------------------------
-    def resolved(self) -> dict[str, Any]:
-        return {"model": self.name, "revision": self.revision, "tokenizer": "b" * 64,
-                "chat_template": "c" * 64, "engine": "fake-engine/1"}
+    # ``revision`` is read once per answer and passed down, so that an answer's body and
+    # headers name one revision even while a test changes it from another thread
+    def resolved(self, revision: str | None = None) -> dict[str, Any]:
+        return {"model": self.name, "revision": revision or self.revision,
+                "tokenizer": "b" * 64, "chat_template": "c" * 64, "engine": "fake-engine/1"}
 
-    def header(self) -> str:
-        r = self.resolved()
+    def header(self, revision: str | None = None) -> str:
+        r = self.resolved(revision)
         return f"model={self.name}; revision={r['revision'][:12]}; engine=fake"
 
-    def _headers(self) -> dict[str, str]:
-        return {"x-sluice-resolved": self.header()}
+    def _headers(self, revision: str | None = None) -> dict[str, str]:
+        return {"x-sluice-resolved": self.header(revision)}
 
     async def _models(self, request: Request) -> Response:
+        revision = self.revision
         entry = {"id": self.name, "object": "model", "max_model_len": 4096,
-                 "revision": self.revision, "resolved": self.resolved()}
+                 "revision": revision, "resolved": self.resolved(revision)}
         if self.token_bound is not None:
             entry["token_bound"] = self.token_bound
-        return JSONResponse({"object": "list", "data": [entry]}, headers=self._headers())
+        return JSONResponse({"object": "list", "data": [entry]},
+                            headers=self._headers(revision))
 
     async def _health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -110,6 +117,9 @@ class FakeBackend:
             return JSONResponse({"error": {"message": "boom: Traceback (most recent call)",
                                            "type": "x", "code": "oops", "param": None}},
                                 status_code=status, headers={"retry-after": "7"})
+        revision = self.revision  # what this answer is made with
+        self.served.append((request.headers.get("x-request-id", ""), revision,
+                            time.monotonic()))
         chat = request.url.path.endswith("chat/completions")
         usage_asked = bool((body.get("stream_options") or {}).get("include_usage"))
         running = bool((body.get("stream_options") or {}).get("continuous_usage_stats"))
@@ -132,7 +142,8 @@ class FakeBackend:
                       else {"text": text})}
             return JSONResponse({**base, "object": "chat.completion" if chat else
                                  "text_completion", "choices": [msg],
-                                 "usage": usage(self.chunks)}, headers=self._headers())
+                                 "usage": usage(self.chunks)},
+                                headers=self._headers(revision))
 
         async def events() -> Any:
             try:
@@ -156,4 +167,4 @@ class FakeBackend:
                 raise
 
         return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers=self._headers())
+                                 headers=self._headers(revision))

@@ -3,8 +3,10 @@ rate headers that really go down, settlement on every exit, fail open and closed
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -25,6 +27,7 @@ from tests.policies.conftest import RedisServer
 
 from .conftest import TEST_KEY, ThreadedGateway, auth, config_for
 from .fake_backend import FakeBackend
+from .stage_kit import VERSIONS
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}],
         "max_tokens": 10}
@@ -203,3 +206,93 @@ def test_a_repeated_x_request_id_is_a_new_attempt(fake: FakeBackend) -> None:
             assert r.status_code == 200 and r.headers["x-request-id"] == "same-id"
         assert gw.gateway.ledger.by_tenant["one"].requests == 3  # each settled once
         assert not gw.gateway.admission.live
+
+
+SLOW_S = 1.8  # how long the tenant's requests hold their slot (the issue's figure)
+
+
+def answer_after(fake: FakeBackend, seconds: float) -> None:
+    """The stalled fake answers the next request ``seconds`` after it arrives."""
+    fake.release.clear()
+    seen = len(fake.bodies)
+
+    def upstream_work() -> None:
+        deadline = time.monotonic() + 20
+        while len(fake.bodies) == seen and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(seconds)  # the upstream generating, not the test waiting
+        fake.release.set()
+
+    threading.Thread(target=upstream_work, daemon=True).start()
+
+
+def test_a_concurrency_429_says_when_the_running_request_ends(
+        fake: FakeBackend, redis: RedisServer) -> None:
+    """#21: at max_concurrency the wait is when the running request is predicted to end
+    (this tenant's requests hold their slot ~1.8 s), not when its 30 s lease would expire,
+    so the SDK's own retry gets in as soon as the slot frees."""
+    fake.mode = "stall"
+    fake.release.set()
+    tid = f"conc{time.time_ns()}"  # tenants and keys live in the module's Redis: fresh ones
+    key, warm_key = f"sk-{tid}", f"sk-warm-{tid}"
+    ts = TenantsFile(tenants=[
+        TenantEntry(id=tid, keys=[hash_key(key)], quotas=QuotasConfig(max_concurrency=1)),
+        TenantEntry(id=f"warm-{tid}", keys=[hash_key(warm_key)]),
+    ])
+
+    def call(gw: ThreadedGateway, key: str = key) -> httpx.Response:
+        return httpx.post(gw.url + "/v1/chat/completions", json=CHAT, headers=auth(key),
+                          timeout=30)
+
+    with ThreadedGateway(with_store(config_for(fake.url), redis.url), ts) as gw:
+        # Warm up the gateway (upstream connections, tokenizer) on another tenant, so that
+        # this tenant's history is only its own slow requests.
+        assert call(gw, warm_key).status_code == 200
+        answer_after(fake, SLOW_S)
+        history = call(gw)
+        assert history.status_code == 200, history.text  # held the slot ~1.8 s
+
+        answer_after(fake, SLOW_S)
+        arrived = len(fake.bodies)
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(call, gw)
+            deadline = time.monotonic() + 10
+            while len(fake.bodies) == arrived and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert len(fake.bodies) > arrived, "the running request never reached upstream"
+
+            busy = call(gw)
+            assert busy.status_code == 429
+            assert busy.json()["error"]["param"] == "max_concurrency"
+            wait_ms = int(busy.headers["retry-after-ms"])
+            assert 100 <= wait_ms <= 3000  # was the lease's ~30,000
+            assert busy.headers["retry-after"] == str(-(-wait_ms // 1000))
+            assert int(busy.headers["retry-after"]) <= 3
+
+            client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key)  # 2 retries
+            refused = gw.gateway.metrics.responses.get("/v1/chat/completions", tid, "429")
+            start = time.monotonic()
+            out = client.chat.completions.create(**CHAT)
+            sdk_s = time.monotonic() - start
+            assert out.choices[0].message.content
+            assert running.result(timeout=30).status_code == 200
+        # the SDK was refused first and came back when told
+        assert gw.gateway.metrics.responses.get("/v1/chat/completions", tid, "429") > refused
+        print(f"\nmax_concurrency retry-after-ms {wait_ms}, retry-after "
+              f"{busy.headers['retry-after']}; SDK succeeded in {sdk_s:.2f} s")
+        assert sdk_s < 4.0
+
+
+def test_the_worst_case_counts_all_n_choices_and_a_refusal_names_it(fake: FakeBackend) -> None:
+    # prompt 5 (the fake's count) + max_tokens 500 fits 1500 tokens per minute; with n = 4
+    # the upstream may generate 4 × 500: that can never fit, and the refusal says why
+    cfg = config_for(fake.url, kind="openai", versions=VERSIONS, supports=["n"])
+    with ThreadedGateway(cfg, tenants(tokens_per_minute=1500)) as gw:
+        assert post(gw, {**CHAT, "max_tokens": 500}).status_code == 200
+        refused = post(gw, {**CHAT, "max_tokens": 500, "n": 4})
+        assert refused.status_code == 429, refused.text
+        err = refused.json()["error"]
+        assert err["param"] == "tokens_per_minute"
+        assert "(prompt 5 + 4 × max_tokens 500 = 2005 tokens at most) can never fit" \
+            in err["message"], err["message"]
+        assert refused.headers["x-should-retry"] == "false"

@@ -50,13 +50,9 @@ def test_batched_prompts_are_refused_but_token_ids_are_fine() -> None:
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"n": 2}, "n"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"logprobs": True}, "logprobs"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"logit_bias": {"1": 2}}, "logit_bias"),
     ({"stream": True, "stream_options": {"include_usage": True,
                                          "continuous_usage_stats": True}}, None),
 ])
@@ -69,6 +65,22 @@ def test_features_the_bundled_backend_lacks_are_refused(body: dict[str, Any],
     else:
         assert refused("chat", full) == param
         check_capabilities(parse("chat", full), "m", OPENAI_CAPABILITIES | {"n", "tools"})
+
+
+def test_the_bundled_backend_serves_n() -> None:
+    """The gateway forwards ``n`` to a ``kind: sluice`` upstream (issue #21: forked choices)."""
+    check_capabilities(parse("chat", {"model": "m", "messages": MSGS, "n": 4}), "m",
+                       SLUICE_CAPABILITIES)
+    check_capabilities(parse("completion", {"model": "m", "prompt": "x", "n": 128}), "m",
+                       SLUICE_CAPABILITIES)
+
+
+def test_the_bundled_backend_serves_logprobs_bias_and_penalties() -> None:
+    """The gateway forwards them to a ``kind: sluice`` upstream (issue #21)."""
+    for body in ({"logprobs": True, "top_logprobs": 3}, {"presence_penalty": 0.5},
+                 {"frequency_penalty": -0.5}, {"logit_bias": {"1": 2}}):
+        check_capabilities(parse("chat", {"model": "m", "messages": MSGS, **body}), "m",
+                           SLUICE_CAPABILITIES)
 
 
 def test_default_values_of_missing_features_pass() -> None:

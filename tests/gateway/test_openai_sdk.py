@@ -101,15 +101,21 @@ def test_a_pin_that_matches_is_served(sluice_up: SluiceUp) -> None:
     assert chat.model == MODEL
 
 
-def test_a_pin_mismatch_is_refused_and_not_retryable(sluice_up: SluiceUp) -> None:
-    with pytest.raises(openai.BadRequestError) as info:
+def test_a_pin_no_server_serves_is_refused_until_the_next_refresh(sluice_up: SluiceUp) -> None:
+    with pytest.raises(openai.InternalServerError) as info:
         client(sluice_up).chat.completions.create(
             model=f"{MODEL}@0000000000", messages=[{"role": "user", "content": "x"}],
             max_tokens=2)
-    assert info.value.code == "revision_mismatch"
-    assert info.value.response.headers["x-should-retry"] == "false"
+    assert info.value.status_code == 503 and info.value.code == "revision_unavailable"
+    assert info.value.response.headers["retry-after"]  # the refresh interval
     # stamped: the error happened after resolution
     assert RESOLVED.match(info.value.response.headers["x-sluice-resolved"])
+    with pytest.raises(openai.BadRequestError) as short:  # too short to name a revision
+        client(sluice_up).chat.completions.create(
+            model=f"{MODEL}@000000", messages=[{"role": "user", "content": "x"}],
+            max_tokens=2)
+    assert short.value.code == "revision_mismatch"
+    assert short.value.response.headers["x-should-retry"] == "false"
 
 
 def test_errors_map_to_the_sdk_exceptions(sluice_up: SluiceUp) -> None:
@@ -122,8 +128,8 @@ def test_errors_map_to_the_sdk_exceptions(sluice_up: SluiceUp) -> None:
     assert nf.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as bad:
         client(sluice_up).chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "x"}], n=2)
-    assert bad.value.param == "n"
+            model=MODEL, messages=[{"role": "user", "content": "x"}], n=129)
+    assert bad.value.param == "n"  # served up to 128
     with pytest.raises(openai.BadRequestError) as tools:
         client(sluice_up).chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x"}],

@@ -209,3 +209,49 @@ def test_prefix_routing_is_sticky_within_its_load_bound() -> None:
     assert router.prefix_key("alpha", "x") is not None
     least = Router(entry.model_copy(update={"routing": "least_load"}), members)
     assert least.prefix_key("alpha", "x") is None
+
+
+def test_a_pin_is_routed_only_among_the_members_serving_its_revision() -> None:
+    from gateway.http_client import Pool
+    from gateway.pool import AllOpen, NoRevision, Router, build_members
+    from policies.breaker import BreakerPolicy
+    from protocol.versions import ServedVersions
+
+    old, new = ServedVersions("a" * 40, "t", None, "e"), ServedVersions("d" * 40, "t", None, "e")
+    entry = ModelEntry(name="m", upstreams=[f"http://127.0.0.1:{9000 + i}" for i in range(4)],
+                       routing="least_load")  # type: ignore[arg-type]
+    pools = [Pool(m.url, max_connections=1, connect_s=1, read_s=1) for m in entry.members]
+    members = build_members(entry, pools, BreakerPolicy(consecutive_failures=1))
+    for m, v in zip(members, (old, new, new, None), strict=True):
+        m.versions = v  # the last one's are unknown (it did not answer its last read)
+    router = Router(entry, members, refresh_s=7.0)
+    assert router.serving(None) == members
+    assert router.serving("d" * 8) == members[1:3] and router.serving("a" * 40) == members[:1]
+    assert router.serving("d" * 6) == [] and router.serving("f" * 8) == []
+    # least load among the new members only, however idle the others are
+    members[1].inflight_tokens = 500
+    assert router.pick(100, pin="d" * 8)[0] is members[2]
+    members[2].inflight_tokens = 900
+    assert router.pick(100, pin="d" * 8)[0] is members[1]
+    # the old member takes its pins even when it is the busiest of all
+    members[0].inflight_tokens = 10_000
+    assert router.pick(100, pin="a" * 12)[0] is members[0]
+    # an unpinned request may go anywhere: the idle member of unknown versions
+    assert router.pick(100)[0] is members[3]
+    # prefix routing ranks only the members serving the pin
+    prefix = Router(entry.model_copy(update={"routing": "prefix"}), members)
+    for i in range(20):
+        key = prefix.prefix_key(f"tenant{i}", "a prompt")
+        assert prefix.pick(100, key, pin="d" * 8)[0] in members[1:3]
+    # a pin nobody serves: NoRevision, retry after the refresh interval
+    with pytest.raises(NoRevision) as none:
+        router.pick(100, pin="f" * 8)
+    assert none.value.retry_after_s == 7.0
+    # served, but its only member is open: the breaker's refusal, not NoRevision
+    members[0].breaker.record(members[0].breaker.try_pass(), "failure")  # type: ignore[arg-type]
+    with pytest.raises(AllOpen) as shut:
+        router.pick(100, pin="a" * 8)
+    assert not isinstance(shut.value, NoRevision) and shut.value.retry_after_s > 1.0
+    # a pinned retry never leaves the pin's members
+    with pytest.raises(AllOpen):
+        router.pick(100, exclude=frozenset({members[1].key, members[2].key}), pin="d" * 8)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -109,3 +110,40 @@ def test_events_as_the_splitter_hands_them_out() -> None:
     del expected["usage"]
     assert [json.loads(o[6:]) for o in out[1:3]] == [expected, expected]  # type: ignore[index]
     assert out[3] == b"data: [DONE]\n\n" and r.done and r.chunks == 2 and r.tokens == 2
+
+
+CHUNK = (b'data: {"model":"m","system_fingerprint":"fp","choices":[{"delta":{"content":"a"}}],'
+         b'"usage":null}')
+
+
+@pytest.mark.parametrize(("event", "out"), [
+    (b"retry: 3000", None),  # the SDKs would read these as events with empty data
+    (b"id: 7", None),
+    (b"event: ping", None),
+    (b"id: 1\nretry: 10\n: ping - 2025-01-01", b": ping - 2025-01-01\n\n"),
+    (b": a\nid: 2\n:b", b": a\n:b\n\n"),
+    (b": keep-alive", b": keep-alive\n\n"),
+])
+def test_only_comments_of_events_without_data_reach_the_client(event: bytes,
+                                                               out: bytes | None) -> None:
+    assert ChunkRewriter("pub", "fp_g", False, False).rewrite(event) == out
+
+
+@pytest.mark.parametrize("event", [
+    b"event: ping\ndata: 2025-01-01 00:00:00",  # another type: not a chunk (and not JSON)
+    b"event: ping\ndata: {}",
+    b"data", b"data:", b"data: ", b"data:\ndata:",  # empty data
+])
+def test_typed_events_and_empty_data_are_dropped(event: bytes) -> None:
+    r = ChunkRewriter("pub", "fp_g", False, False)
+    assert r.rewrite(event) is None and r.chunks == 0 and not r.error
+
+
+def test_message_and_error_events_with_fields_are_read_for_their_data() -> None:
+    r = ChunkRewriter("pub", "fp_g", False, False)
+    typed = b"id: 1\nevent: message\n" + CHUNK + b"\nretry: 10"
+    assert r.rewrite(typed) == b'data: {"model":"pub","system_fingerprint":"fp_g",' \
+                               b'"choices":[{"delta":{"content":"a"}}]}\n\n'
+    assert r.rewrite(b"event: error\ndata:{\"error\": {\"message\": \"x\"}}") \
+        == b'data: {"error": {"message": "x"}}\n\n' and r.error
+    assert r.rewrite(b"event\ndata: [DONE]") == b"data: [DONE]\n\n" and r.done

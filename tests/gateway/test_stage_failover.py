@@ -7,14 +7,22 @@ import asyncio
 
 import pytest
 
-from gateway.errors import BadRequest, GatewayTimeout, InternalError, ServiceUnavailable
+from gateway.errors import (
+    BadRequest,
+    GatewayTimeout,
+    InternalError,
+    RevisionMismatch,
+    RevisionUnavailable,
+    ServiceUnavailable,
+)
 from gateway.failover import Attempt, CircuitOpen, Failover
 from gateway.outcome import Outcome, classify
 from gateway.pool import Member
 from gateway.tracing import NO_TRACE, NoTrace
 from gateway.upstream import Fault
 from policies.retry_budget import RetryBudget, RetryPolicy
-from tests.gateway.stage_kit import Spans, config, gateway
+from protocol.versions import ServedVersions
+from tests.gateway.stage_kit import VERSIONS, Spans, config, gateway
 
 
 class Counts:
@@ -181,3 +189,73 @@ async def test_a_cancelled_attempt_is_judged_neutral_and_frees_its_load() -> Non
 def test_one_outcome_vocabulary(status: int, error: object, facts: dict[str, bool],
                                 want: Outcome) -> None:
     assert classify(status, error, **facts) is want  # type: ignore[arg-type]
+
+
+def pinned(pin: str, urls: tuple[str, ...], new: set[str]
+           ) -> tuple[Failover, Counts, list[Member]]:
+    """A failover for a request pinned to ``pin``: the members at ``new`` serve another
+    revision than the rest (the config's)."""
+    fo, counts, members = failover(urls, max_attempts=len(urls))
+    for m in members:
+        if m.url in new:
+            m.versions = ServedVersions("d" * 40, "t", None, "e")
+    return Failover("m", fo.router, fo.budget, counts, NO_TRACE, 100, None,
+                    "/v1/completions", pin), counts, members
+
+
+async def test_a_pinned_request_is_retried_only_on_members_serving_its_revision() -> None:
+    urls = ("http://a", "http://b", "http://c")
+    fo, counts, members = pinned(VERSIONS.revision[:8], urls, {"http://c"})
+    tried: list[str] = []
+
+    async def call(attempt: Attempt) -> None:
+        tried.append(attempt.member.url)
+        if attempt.number == 1:
+            raise unwell(attempt.member.url)
+        # the second member moved to another revision under the attempt: neutral
+        raise Fault("revision_moved", RevisionMismatch("moved"), neutral=True)
+
+    async def take(member: Member) -> None:
+        pass
+
+    fo.first()
+    with pytest.raises(RevisionMismatch):
+        await fo.run(call, lambda: False, nothing, take)
+    assert sorted(tried) == ["http://a", "http://b"]  # never c, which serves another
+    assert counts.retries == [("m", "retried"), ("m", "no_other_upstream")]
+    assert counts.failures == [(tried[0], "http_500")]  # the move is not a failure
+    moved = next(m for m in members if m.url == tried[1])
+    assert moved.breaker.failures == 0 and moved.inflight_requests == 0
+
+
+async def test_a_member_that_moved_is_left_for_one_still_serving_the_pin() -> None:
+    fo, counts, members = pinned(VERSIONS.revision, ("http://a", "http://b"), set())
+    first = fo.first()
+
+    async def call(attempt: Attempt) -> str:
+        if attempt.member is first.member:
+            raise Fault("revision_moved", RevisionMismatch("moved"), neutral=True)
+        return attempt.member.url
+
+    async def take(member: Member) -> None:
+        pass
+
+    other = next(m for m in members if m is not first.member)
+    assert await fo.run(call, lambda: False, nothing, take) == other.url
+    assert counts.failures == [] and first.member.breaker.failures == 0
+
+
+async def test_a_pin_no_member_serves_is_a_503_revision_unavailable() -> None:
+    fo, counts, members = pinned("d" * 8, ("http://a", "http://b"), set())
+    with pytest.raises(RevisionUnavailable) as caught:
+        fo.first()
+    err = caught.value
+    assert (err.status, err.code, err.param) == (503, "revision_unavailable", "model")
+    assert err.retry_after_s == 3600  # the refresh interval: when it could be known
+    assert counts.retries == []
+    assert all(m.inflight_requests == 0 for m in members)
+    # unknown versions never take a pin: b's are unknown, a serves another revision
+    fo, _, members = pinned(VERSIONS.revision, ("http://a", "http://b"), {"http://a"})
+    members[1].versions = None
+    with pytest.raises(RevisionUnavailable):
+        fo.first()

@@ -143,3 +143,41 @@ async def test_an_error_event_inside_a_stream_marks_the_upstream_failed() -> Non
         {**CHAT, "stream": True})
     await relay.call(attempt)
     assert relay.result().done and relay.result().upstream_failed
+
+
+async def test_an_answer_is_stamped_with_the_versions_of_the_member_that_made_it() -> None:
+    from protocol.versions import ResolvedVersions, ServedVersions
+
+    other = ServedVersions("d" * 40, "t" * 64, None, "other-engine/2")
+    whole = json.dumps({"id": "x", "object": "chat.completion", "model": "fake-model",
+                        "choices": []}).encode()
+    gw = gateway(config("http://a", "http://b"), {
+        "http://b": [Scripted(chunks=[whole]), Scripted(chunks=[whole])]})
+    members = gw.upstreams["m"].members
+    members[1].versions = other  # mid-upgrade: b serves another revision than a
+    who = tenant()
+
+    async def call(body: dict[str, Any]) -> tuple[Relay, Client, Attempt]:
+        req = parse("chat", body)
+        target = await gw.resolver.target(req, who)
+        p = await gw.resolver.prepare("chat", req, body, target, who, "rid", None)
+        grant = members[1].breaker.try_pass()
+        assert grant is not None
+        client = Client()
+        relay = Relay(p, reply(client), RequestTimes(0.0), [], gw.refresh)
+        return relay, client, Attempt(members[1], grant, 1, p.worst_case)
+
+    relay, client, attempt = await call(CHAT)
+    assert relay.stamp.versions != other  # resolved with the pool's face (a's)
+    await relay.call(attempt)
+    expected = ResolvedVersions("m", other, who.policy_version)
+    assert client.headers[b"x-sluice-resolved"] == expected.header_value().encode()
+    assert json.loads(client.body)["system_fingerprint"] == expected.fingerprint()
+    assert relay.result().stamp.versions is other
+    # pinned to b's revision, but b moved back under it: refused before any byte, neutral
+    relay, client, attempt = await call({**CHAT, "model": "m@" + "d" * 8})
+    members[1].versions = ServedVersions("e" * 40, "t" * 64, None, "other-engine/3")
+    with pytest.raises(Fault) as moved:
+        await relay.call(attempt)
+    assert moved.value.neutral and moved.value.err.code == "revision_mismatch"
+    assert client.messages == []

@@ -15,6 +15,7 @@ from gateway.errors import (
     ModelNotFound,
     PermissionDenied,
     RevisionMismatch,
+    RevisionUnavailable,
 )
 from gateway.resolve import Prepared, Resolver
 from gateway.tenants import Tenant
@@ -49,14 +50,37 @@ async def test_a_prepared_request_is_frozen_and_carries_the_worst_case() -> None
     assert p.deadline is not None and p.path == "/v1/chat/completions"
 
 
+@pytest.mark.parametrize(("kind", "extra", "sequences"), [
+    ("chat", {}, 1), ("chat", {"n": 1}, 1), ("chat", {"n": 4}, 4), ("chat", {"n": 16}, 16),
+    ("completion", {"n": 2}, 2), ("completion", {"best_of": 3}, 3),
+    ("completion", {"n": 2, "best_of": 5}, 5),
+])
+async def test_the_worst_case_counts_every_sequence_generated(
+        kind: str, extra: dict[str, Any], sequences: int) -> None:
+    r = resolver(supports=["n", "best_of"])
+    who = tenant()
+    body: dict[str, Any] = {**(CHAT if kind == "chat" else {"model": "m", "prompt": "hi"}),
+                            "max_tokens": 500, **extra}
+    req = parse(kind, body)  # type: ignore[arg-type]
+    p = await r.prepare(kind, req, body, await r.target(req, who), who,  # type: ignore[arg-type]
+                        "rid", None)
+    assert p.worst_case == p.prompt_tokens + sequences * 500
+    many = f"{sequences} × " if sequences > 1 else ""
+    assert p.worst_terms == f"prompt {p.prompt_tokens} + {many}max_tokens 500 = {p.worst_case}"
+    assert p.body.get("n") == extra.get("n")  # forwarded as asked
+
+
 async def test_unknown_models_and_pins_are_refused() -> None:
     r = resolver()
     with pytest.raises(ModelNotFound):
         await prepare(r, {**CHAT, "model": "nope"})
     with pytest.raises(BadRequest):
         await prepare(r, {**CHAT, "model": "m@"})
-    with pytest.raises(RevisionMismatch):
+    with pytest.raises(RevisionUnavailable) as unavailable:  # no member serves it now
         await prepare(r, {**CHAT, "model": "m@deadbeef"})
+    assert unavailable.value.status == 503 and unavailable.value.retry_after_s == 3600
+    with pytest.raises(RevisionMismatch):  # too short to be a revision's prefix
+        await prepare(r, {**CHAT, "model": "m@rrrrrr"})
     p = await prepare(r, {**CHAT, "model": "m@" + VERSIONS.revision[:8]})
     assert p.pin == VERSIONS.revision[:8]
 

@@ -209,8 +209,19 @@ def test_versions_change_for_new_requests_never_in_flight(gw: ThreadedGateway,
     assert old_fp != new_fp
     # pins follow the new revision
     assert post(gw, {**CHAT, "model": "m@dddddddd"}).status_code == 200
-    stale = post(gw, {**CHAT, "model": "m@aaaaaaaa"})
-    assert stale.status_code == 400 and stale.json()["error"]["code"] == "revision_mismatch"
+    stale = post(gw, {**CHAT, "model": "m@aaaaaaaa"})  # no server serves it any more
+    assert stale.status_code == 503 and stale.json()["error"]["code"] == "revision_unavailable"
+    assert stale.headers["retry-after"] == "3600"  # the refresh interval
+
+
+def test_a_pin_shorter_than_7_hex_characters_is_refused_as_too_short(
+        gw: ThreadedGateway) -> None:
+    assert post(gw, {**CHAT, "model": "m@aaaaaaa"}).status_code == 200
+    short = post(gw, {**CHAT, "model": "m@aaaaaa"})  # a prefix of the revision, but 6
+    err = short.json()["error"]
+    assert short.status_code == 400 and err["code"] == "revision_mismatch"
+    assert err["message"].endswith("a pin needs at least 7 hex characters of the revision "
+                                   "(or all of it), and 'aaaaaa' has 6")
 
 
 def test_models_lists_only_the_tenants_models(gw: ThreadedGateway) -> None:

@@ -81,7 +81,8 @@ async def test_keys_are_hash_tagged_one_slot_and_expire(store: RedisStore, raw: 
     assert not (await store.reserve("alpha", "r3", 10**6, Q, 30)).granted
     keys = sorted([k async for k in raw.scan_iter(store.keys("alpha")[0].rsplit(":", 1)[0] + ":*")])
     assert keys == sorted(store.keys("alpha"))
-    assert all(re.fullmatch(r"x\d+:\{alpha\}:(bucket|budget|leases|resv|done)", k) for k in keys)
+    assert all(re.fullmatch(r"x\d+:\{alpha\}:(bucket|budget|leases|resv|done|starts)", k)
+               for k in keys)
     assert len({key_slot(k.encode()) for k in keys}) == 1
     ttl = {k.rsplit(":", 1)[1]: await raw.pttl(k) for k in keys}
     assert all(v > 0 for v in ttl.values()), ttl

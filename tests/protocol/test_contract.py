@@ -61,13 +61,12 @@ def test_model_is_optional_here_and_the_body_must_be_an_object() -> None:
     ({"stream_options": {"include_usage": True}}, "stream_options"),  # needs stream: true
     ({"reasoning_effort": "low"}, "reasoning_effort"),
     ({"min_p": 0.1}, "min_p"),
-    ({"frequency_penalty": -1}, "frequency_penalty"),
-    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"min_tokens": 2}, "min_tokens"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # served, but only with logprobs: true
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"parallel_tool_calls": False}, "parallel_tool_calls"),
     ({"tools": [{"type": "function", "function": {"name": "g"}}]}, "tools"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
-    ({"n": 3}, "n"),
     ({"repetition_penalty": 1.1}, "repetition_penalty"),
     ({"metadata": {"k": "v"}}, "metadata"),
 ])
@@ -79,7 +78,7 @@ def test_the_backend_refuses_what_its_engine_does_not_serve(body: dict[str, Any]
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"echo": True}, "echo"), ({"suffix": "s"}, "suffix"), ({"best_of": 2}, "best_of"),
-    ({"logprobs": 1}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),  # served, 0-20 as vLLM
 ])
 def test_completion_features(body: dict[str, Any], param: str) -> None:
     assert refusal("completion", {"prompt": "x", **body}, SLUICE_CAPABILITIES).param == param
@@ -96,6 +95,19 @@ def test_what_the_backend_serves_passes() -> None:
     req = parse("chat", body)
     check_capabilities(req, "m", SLUICE_CAPABILITIES)
     assert req.include_usage and req.continuous_usage
+    served = {"messages": MSGS, "logprobs": True, "top_logprobs": 20, "presence_penalty": 2,
+              "frequency_penalty": -2, "logit_bias": {"0": -100, "31999": 100}}
+    check_capabilities(parse("chat", served), "m", SLUICE_CAPABILITIES)
+    check_capabilities(parse("completion", {"prompt": "x", "logprobs": 5}), "m",
+                       SLUICE_CAPABILITIES)
+
+
+@pytest.mark.parametrize("bias", [{"01": 1}, {"-1": 1}, {"a": 1}, {"1": 100.5},
+                                  {"1": -101}, {"": 0}])
+def test_logit_bias_is_token_ids_to_bounded_biases(bias: dict[str, float]) -> None:
+    with pytest.raises(BadRequest) as info:
+        parse("chat", {"messages": MSGS, "logit_bias": bias})
+    assert (info.value.param, info.value.code) == ("logit_bias", "invalid_value")
 
 
 def test_the_sluice_extensions_are_capabilities() -> None:

@@ -98,6 +98,17 @@ def test_served_versions_from_a_report_and_pins() -> None:
     assert not served.revision_matches("abcdef2")
 
 
+def test_a_pin_refusal_says_a_short_pin_is_short_even_when_it_is_a_prefix() -> None:
+    served = ServedVersions("776330" + "ab" * 29, "t", None, "e")
+    short_pin = served.pin_refusal("m", "776330")
+    assert short_pin == ("the model 'm' is served at revision '776330ababab'; a pin needs "
+                         "at least 7 hex characters of the revision (or all of it), and "
+                         "'776330' has 6")
+    assert "at least 7 hex characters" in served.pin_refusal("m", "deadbe")
+    assert served.pin_refusal("m", "deadbeef") == ("the model 'm' is served at revision "
+                                                   "'776330ababab', not 'deadbeef'")
+
+
 def test_as_dict_is_the_reported_resolved_object() -> None:
     resolved = ResolvedVersions("m", NO_TEMPLATE)
     assert resolved.as_dict() == {"model": "m", "revision": "main", "tokenizer": "ab" * 32,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pydantic
 import pytest
 import yaml
@@ -9,6 +11,7 @@ import yaml
 from gateway.config import GatewayConfig
 from telemetry import Telemetry
 from telemetry.config import Settings, TelemetryConfig, TelemetryError, resolve
+from telemetry.setup import describe
 
 FILE = """
 service_name: from-file
@@ -301,3 +304,34 @@ def test_gateway_config_rejects_bad_telemetry_keys(section: dict) -> None:
     with pytest.raises(pydantic.ValidationError) as err:
         GatewayConfig.model_validate({"models": MODELS, "telemetry": section})
     assert any(e["loc"][0] == "telemetry" for e in err.value.errors())
+
+
+# ---- the start-up log line -------------------------------------------------------------------
+
+def test_the_start_up_line_names_what_is_used(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="sluice.telemetry")
+    tel = Telemetry.create("sluice-gateway", env={"OTEL_TRACES_EXPORTER": "console"})
+    tel.shutdown(1.0)
+    line = next(r.getMessage() for r in caplog.records if r.name == "sluice.telemetry")
+    # console writes spans to stdout: no OTLP endpoint is used, so none is named
+    assert line == ("telemetry: service sluice-gateway, traces to stdout (console, sampler "
+                    "parentbased_always_on), OTLP metrics off")
+
+
+@pytest.mark.parametrize(("env", "said"), [
+    ({}, "traces off, OTLP metrics off"),
+    ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_TRACES_SAMPLER": "always_off"},
+     "traces off (sampler always_off), OTLP metrics off"),
+    ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"},
+     ("traces to http://c:4318/v1/traces (OTLP http/protobuf, sampler parentbased_always_on), "
+      "OTLP metrics off")),
+    ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+      "OTEL_METRICS_EXPORTER": "otlp", "OTEL_METRIC_EXPORT_INTERVAL": "5000"},
+     ("traces to http://localhost:4317 (OTLP grpc, sampler parentbased_always_on), "
+      "OTLP metrics to http://localhost:4317 (grpc, every 5 s)")),
+    ({"OTEL_TRACES_EXPORTER": "console", "OTEL_METRICS_EXPORTER": "otlp"},
+     ("traces to stdout (console, sampler parentbased_always_on), "
+      "OTLP metrics to http://localhost:4318/v1/metrics (http/protobuf, every 10 s)")),
+])
+def test_the_start_up_line_for_each_exporter(env: dict[str, str], said: str) -> None:
+    assert describe(settings(env=env)) == f"service sluice-gateway, {said}"

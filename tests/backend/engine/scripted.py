@@ -26,6 +26,10 @@ class ScriptedRunner:
         self.scripts = scripts
         self.calls = 0
         self.steps: list[list[tuple[str, int]]] = []  # (request id, new tokens) per call
+        self.copies: list[tuple[int, int]] = []  # copy-on-write block copies asked for
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        self.copies.extend(copies)
 
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         self.calls += 1

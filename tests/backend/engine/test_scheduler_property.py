@@ -3,7 +3,8 @@
 A shadow KV cache records, for every slot the "model" writes, which salt and which token
 prefix produced it. Before each chunk is "computed", every position it attends to must hold
 exactly the K/V its own sequence would have produced: that checks paging, prefix-cache hits,
-preemption and reuse of freed blocks together.
+preemption, reuse of freed blocks and forked choices (``n`` > 1: shared blocks, copy on
+write, each choice with tokens of its own) together.
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ class Harness:
         self.live: dict[str, Sequence] = {}
         self.n = 0
 
-    def add(self, prompt: list[int], max_tokens: int, salt: int, priority: int) -> None:
+    def add(self, prompt: list[int], max_tokens: int, salt: int, priority: int,
+            n: int = 1) -> None:
         max_tokens = max(1, min(max_tokens, self.sch.max_model_len - len(prompt)))
         if len(prompt) + max_tokens > self.sch.max_model_len:
             return
         self.n += 1
-        seq = Sequence(f"r{self.n}", prompt, SamplingParams(max_tokens=max_tokens),
+        params = SamplingParams(max_tokens=max_tokens, n=min(n, self.sch.max_num_seqs))
+        seq = Sequence(f"r{self.n}", prompt, params,
                        priority=priority, arrival_time=self.now, cache_salt=SALTS[salt])
         self.sch.add(seq)
         self.live[seq.request_id] = seq
@@ -44,6 +47,10 @@ class Harness:
     def step(self, next_token: int) -> None:
         self.now += 0.1
         out = self.sch.schedule()
+        for src, dst in out.copies:  # copy on write, before the model writes
+            for off in range(BLOCK):
+                if (src, off) in self.shadow:
+                    self.shadow[(dst, off)] = self.shadow[(src, off)]
         for chunk in out.chunks:
             seq = chunk.seq
             assert seq.status is SequenceStatus.RUNNING
@@ -62,17 +69,20 @@ class Harness:
         assert out.num_batched_tokens <= self.sch.max_num_batched_tokens
         assert len(self.sch.running) <= self.sch.max_num_seqs
         self.sch.on_step_done(out)
-        for chunk in out.chunks:
-            if chunk.samples:
-                seq = chunk.seq
-                seq.token_ids.append(next_token)
-                reason = self.sch.check_length(seq)
-                if reason is not None:
-                    self.finish(seq, reason)
+        sampled = [c.seq for c in out.chunks if c.samples]
+        for seq in list(sampled):
+            if seq.awaits_fork:
+                sampled += self.sch.fork(seq)
+        for seq in sampled:
+            seq.token_ids.append((next_token + seq.index) % 3)  # choices differ
+            reason = self.sch.check_length(seq)
+            if reason is not None:
+                self.finish(seq, reason)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.sch.finish(seq, reason)
-        self.live.pop(seq.request_id, None)
+        if not self.sch.group(seq.request_id):
+            self.live.pop(seq.request_id, None)
 
     def abort(self, index: int) -> None:
         if self.live:
@@ -95,7 +105,7 @@ class Harness:
         self.bm.check_invariants()
         refs = [0] * self.bm.num_blocks
         holders: dict[int, set[bytes]] = {}
-        for seq in self.live.values():
+        for seq in (s for rid in self.live for s in self.sch.group(rid)):
             if seq.status is SequenceStatus.WAITING:
                 assert not seq.block_table and seq.num_computed_tokens == 0
             for b in seq.block_table:
@@ -110,7 +120,7 @@ class Harness:
 prompt_st = st.lists(st.integers(0, 2), min_size=1, max_size=24)
 op_st = st.one_of(
     st.tuples(st.just("add"), prompt_st, st.integers(1, 12), st.integers(0, 1),
-              st.integers(-2, 2)),
+              st.integers(-2, 2), st.sampled_from([1, 1, 2, 3])),
     st.tuples(st.just("step"), st.integers(0, 2)),
     st.tuples(st.just("step"), st.integers(0, 2)),
     st.tuples(st.just("step"), st.integers(0, 2)),
@@ -134,7 +144,7 @@ def test_random_event_streams_keep_blocks_consistent(ops, num_blocks, max_seqs, 
     for op in ops:
         kind = op[0]
         if kind == "add":
-            h.add(op[1], op[2], op[3], op[4])
+            h.add(op[1], op[2], op[3], op[4], op[5])
         elif kind == "step":
             h.step(op[1])
         elif kind == "abort":

@@ -150,10 +150,14 @@ def test_unknown_route_and_method(http: httpx.Client) -> None:
 
 
 def test_unsupported_fields_are_refused(http: httpx.Client) -> None:
-    assert_error(http.post(COMP, json={"prompt": "x", "n": 3}), 400, "n")
-    assert_error(http.post(COMP, json={"prompt": "x", "logprobs": 2}), 400, "logprobs")
-    assert_error(http.post(COMP, json={"prompt": "x", "presence_penalty": 1}), 400,
+    assert_error(http.post(COMP, json={"prompt": "x", "n": 129}), 400, "n")  # over 128
+    assert_error(http.post(COMP, json={"prompt": "x", "logprobs": 21}), 400, "logprobs")
+    assert_error(http.post(COMP, json={"prompt": "x", "presence_penalty": 2.5}), 400,
                  "presence_penalty")
+    assert_error(http.post(COMP, json={"prompt": "x", "logit_bias": {"1024": 1}}), 400,
+                 "logit_bias")  # not a token of the tiny model's vocabulary
+    assert_error(http.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}],
+                                       "top_logprobs": 2}), 400, "top_logprobs")
     assert_error(http.post(COMP, json={"prompt": "x", "top_p": 0}), 400, "top_p")
 
 
@@ -166,7 +170,10 @@ def test_unsupported_fields_are_refused(http: httpx.Client) -> None:
      "unsupported_parameter"),
     (CHAT, {"stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
     (COMP, {"echo": True}, "echo", "unsupported_parameter"),
-    (COMP, {"logit_bias": {"1": 1}}, "logit_bias", "unsupported_parameter"),
+    (COMP, {"min_tokens": 2}, "min_tokens", "unsupported_parameter"),
+    (COMP, {"min_p": 0.5}, "min_p", "unsupported_parameter"),
+    (COMP, {"repetition_penalty": 1.2}, "repetition_penalty", "unsupported_parameter"),
+    (COMP, {"logit_bias": {"01": 1}}, "logit_bias", "invalid_value"),
     (COMP, {"frobnicate": 1}, "frobnicate", "unknown_parameter"),
     ("/v1/tokenize", {"frobnicate": 1}, "frobnicate", "unknown_parameter"),
 ])
@@ -181,8 +188,8 @@ def test_fields_the_engine_does_not_serve_are_named(http: httpx.Client, path: st
 def test_what_the_engine_serves_and_the_extensions_are_accepted(http: httpx.Client) -> None:
     body = {"prompt": "x", "max_tokens": 1, "seed": 1, "stop": ["zz"], "top_k": 3,
             "stop_token_ids": [5], "ignore_eos": True, "user": "u", "priority": 2,
-            "cache_salt": "s", "deadline_ms": 1000, "n": 1, "logprobs": 0,
-            "presence_penalty": 0}
+            "cache_salt": "s", "deadline_ms": 1000, "n": 1, "logprobs": 2,
+            "presence_penalty": 0.5, "frequency_penalty": 0.5, "logit_bias": {"7": 3}}
     r = http.post(COMP, json=body)
     assert r.status_code == 200, r.text
 

@@ -71,6 +71,12 @@ def test_version_pin(backend: Backend) -> None:
     bad = httpx.post(backend.url + "/v1/completions",
                      json={"model": "sluice-tiny@deadbeef00", "prompt": "a", "max_tokens": 1})
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "revision_mismatch"
+    short = httpx.post(backend.url + "/v1/completions",  # a prefix, but under 7 characters
+                       json={"model": f"sluice-tiny@{rev[:6]}", "prompt": "a", "max_tokens": 1})
+    assert short.status_code == 400 and short.json()["error"]["code"] == "revision_mismatch"
+    assert short.json()["error"]["message"].endswith(
+        f"a pin needs at least 7 hex characters of the revision (or all of it), "
+        f"and {rev[:6]!r} has 6")
 
 
 async def test_duplicate_request_ids_in_flight(backend: Backend) -> None:

@@ -130,7 +130,7 @@ def test_errors_raise_sdk_exceptions(client: openai.OpenAI) -> None:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=0)
     assert bad.value.param == "max_tokens"
     with pytest.raises(openai.BadRequestError) as many:
-        client.completions.create(model=MODEL, prompt="hi", n=2)
+        client.completions.create(model=MODEL, prompt="hi", n=129)
     assert many.value.param == "n"
     with pytest.raises(openai.BadRequestError) as long:
         client.completions.create(model=MODEL, prompt=[5] * 5000, max_tokens=4)
