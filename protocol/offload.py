@@ -52,6 +52,7 @@ import multiprocessing
 import os
 import pickle
 import tempfile
+import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
@@ -297,7 +298,8 @@ class WorkPool:
             workers = self.settings.workers
             if self._processes:  # spawned: a fork would copy the server's threads and heap
                 self._executor = ProcessPoolExecutor(
-                    workers, mp_context=multiprocessing.get_context("spawn"))
+                    workers, mp_context=multiprocessing.get_context("spawn"),
+                    initializer=_watch_parent, initargs=(os.getpid(),))
             else:
                 self._executor = ThreadPoolExecutor(workers, thread_name_prefix=f"sluice-{self._wording.name}")
         return self._executor
@@ -307,6 +309,7 @@ class WorkPool:
         self._refused_full += 1
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+            _stop_workers(self._executor)
             self._executor = None
         return ServiceUnavailable("a worker process of the server stopped; retry",
                                   code=self._wording.busy_code, retry_after_s=1.0)
@@ -348,9 +351,12 @@ class WorkPool:
                             self._refused_full)
 
     def close(self) -> None:
-        """Stop the workers once their jobs are done (nobody waits for those results)."""
+        """Stop the workers: threads once their jobs are done, processes now (nobody waits
+        for those results)."""
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+            if self._processes:
+                _stop_workers(self._executor)
             self._executor = None
 
 
@@ -439,6 +445,38 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: 
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # the loop is closed: the server has stopped, nothing to free
         pass
+
+
+def _stop_workers(executor: Executor) -> None:
+    """Terminate a process pool's workers. Its own shutdown asks them to leave through its
+    manager thread, and CPython 3.11's manager thread can die on a worker that died while
+    another was starting ("dictionary changed size during iteration"), leaving a worker
+    that nobody stops; multiprocessing then waits for it when the server exits. The
+    executor keeps its processes in ``_processes`` (private, the same from 3.8 to 3.13)."""
+    procs = getattr(executor, "_processes", None) or {}
+    for _ in range(3):  # the manager thread may change the dict meanwhile
+        try:
+            workers = list(procs.values())
+            break
+        except RuntimeError:
+            continue
+    else:
+        return
+    for proc in workers:
+        with contextlib.suppress(Exception):
+            proc.terminate()
+
+
+def _watch_parent(parent: int) -> None:
+    """In a worker process: leave when the server is gone (killed with SIGKILL, say), which
+    a worker waiting for its next job would not notice otherwise (it holds both ends of
+    its queue's pipe)."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="sluice-parent-watch", daemon=True).start()
 
 
 def _warm() -> None:

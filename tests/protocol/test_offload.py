@@ -8,9 +8,12 @@ import asyncio
 import functools
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -250,6 +253,11 @@ def pid_job() -> tuple[int, int]:
     return os.getpid(), 0
 
 
+def pid_after(seconds: float) -> tuple[int, int]:
+    time.sleep(seconds)
+    return os.getpid(), 0
+
+
 def die_job() -> tuple[None, int]:
     os._exit(3)  # the worker process dies mid-job (killed, out of memory)
 
@@ -280,11 +288,15 @@ async def test_a_parse_pool_parses_in_another_process_and_refuses_there(
 
 async def test_a_dead_parse_worker_is_a_503_and_the_next_job_gets_a_new_one(
         parsing: offload.WorkPool) -> None:
-    first = await parsing.run("a", pid_job)
+    # both workers started first: the executor starts one when a job finds none idle, and
+    # CPython 3.11's starting one while another dies races in its own thread
+    first = set(await asyncio.gather(parsing.run("a", functools.partial(pid_after, 0.3)),
+                                     parsing.run("b", functools.partial(pid_after, 0.3))))
+    assert len(first) == offload.PARSE_WORKERS
     with pytest.raises(ServiceUnavailable) as refused:
         await parsing.run("a", die_job)
     assert refused.value.code == "large_bodies_busy" and refused.value.retry_after_s
-    assert await parsing.run("a", pid_job) not in (first, os.getpid())
+    assert await parsing.run("a", pid_job) not in (*first, os.getpid())
     snap = parsing.snapshot()
     assert (snap.running, snap.tenants, snap.refused_full) == (0, 0, 1)
 
@@ -310,3 +322,62 @@ async def test_a_parse_pool_refuses_a_tenant_past_its_share_with_its_own_words()
 def sleep_job(seconds: float) -> tuple[float, int]:
     time.sleep(seconds)
     return seconds, 0
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
+
+
+def gone_within(pids: set[int], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while any(alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+SERVER = """
+import asyncio, functools, sys
+from protocol import offload
+from tests.protocol.test_offload import pid_after
+
+async def main():
+    pool = offload.parse_pool()
+    pids = await asyncio.gather(*(pool.run(str(i), functools.partial(pid_after, 0.3))
+                                  for i in range(offload.PARSE_WORKERS)))
+    print(*pids, flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+def test_workers_leave_when_the_server_is_killed() -> None:
+    server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE,
+                              cwd=Path(__file__).resolve().parents[2], text=True)
+    try:
+        assert server.stdout is not None
+        workers = {int(p) for p in server.stdout.readline().split()}
+        assert len(workers) == offload.PARSE_WORKERS and all(alive(p) for p in workers)
+    finally:
+        server.kill()  # SIGKILL: nothing of the server's runs after it
+        server.wait()
+    assert gone_within(workers, 30), "orphaned parse workers"
+
+
+async def test_close_and_a_dead_worker_stop_every_worker(parsing: offload.WorkPool) -> None:
+    first = set(await asyncio.gather(parsing.run("a", functools.partial(pid_after, 0.3)),
+                                     parsing.run("b", functools.partial(pid_after, 0.3))))
+    with pytest.raises(ServiceUnavailable):
+        await parsing.run("a", die_job)
+    assert await asyncio.to_thread(gone_within, first, 30)  # the survivor too
+    second = set(await asyncio.gather(parsing.run("a", functools.partial(pid_after, 0.3)),
+                                      parsing.run("b", functools.partial(pid_after, 0.3))))
+    parsing.close()
+    assert await asyncio.to_thread(gone_within, second, 30)
