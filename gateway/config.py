@@ -172,6 +172,7 @@ class ModelEntry(_Strict):
 
     @property
     def media(self) -> MediaCosts:
+        """Its image and audio prices (``Upstream.media`` keeps them)."""
         image = self.image_tokens
         rule = (None if image is None else ImageRule(image) if isinstance(image, int)
                 else ImageRule(image.fixed, image.per_tile, image.tile, image.fit,

@@ -25,7 +25,7 @@ import uuid
 from typing import Any
 
 from protocol.http import clean_request_id, parse_json_object
-from protocol.offload import parse_body
+from protocol.large_bodies import parse_body
 
 from .client_io import (
     ClientGone,

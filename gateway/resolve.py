@@ -242,7 +242,7 @@ class Resolver:
         payload: Any = req.messages if isinstance(req, ChatRequest) else req.prompt
         tools = req.tools if isinstance(req, ChatRequest) else None
         limit = PromptLimit.of(kind, up, tenant)
-        text, media = (up.entry.media.split(payload) if isinstance(req, ChatRequest)
+        text, media = (up.media.split(payload) if isinstance(req, ChatRequest)
                        else (payload, 0))  # images and audio at their declared cost
         try:
             most = None if limit.most is None else max(0, limit.most - media)

@@ -21,8 +21,9 @@ import httpx
 from opentelemetry import trace
 
 from policies.retry_budget import RetryBudget, RetryPolicy
+from protocol.large_bodies import parse_pool
 from protocol.memory import Trimmer
-from protocol.offload import TokenizePool, WorkPool, parse_pool
+from protocol.offload import TokenizePool, WorkPool
 from telemetry import Telemetry
 
 from .admission import Admission

@@ -95,6 +95,7 @@ class Upstream:
         self.name = entry.name
         self.served_name = entry.served_name
         self.capabilities = entry.capabilities
+        self.media = entry.media  # what its image and audio parts cost (gateway/media.py)
         headers = {}
         if entry.api_key_env:
             key = os.environ.get(entry.api_key_env)

@@ -9,7 +9,7 @@ and 120,000 empty messages (3.96 MB of JSON). For each, best of N (default 5):
 - ``json``: the standard parser (``json.loads``), what ``json_body`` falls back to;
 - ``orjson``: what ``json_body.loads_strict`` parses with first;
 - ``loads_strict``: the whole strict parse (depth scan, orjson, the checks);
-- ``pool/pipe`` and ``pool/file``: a warm ``offload.parse_pool`` round trip, the body and
+- ``pool/pipe`` and ``pool/file``: a warm ``large_bodies.parse_pool`` round trip, the body and
   its object sent through the executor's pipe (``parse_job``) or through a file in memory
   (``parse_body``, what the gateway does), with the longest stall of the event loop meanwhile
   (a ticker that sleeps 1 ms at a time).
@@ -32,7 +32,8 @@ import orjson
 
 from protocol.errors import BadRequest
 from protocol.json_body import loads_strict
-from protocol.offload import WorkPool, parse_body, parse_job, parse_pool
+from protocol.large_bodies import parse_body, parse_job, parse_pool
+from protocol.offload import WorkPool
 
 
 def bodies() -> dict[str, bytes]:

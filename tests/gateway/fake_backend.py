@@ -15,13 +15,12 @@ import threading
 import time
 from typing import Any, Self
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tests.backend.server.conftest import free_port
+from tests.uvicorn_thread import UvicornThread
 
 
 class FakeBackend:
@@ -40,8 +39,6 @@ class FakeBackend:
         self.aborted = 0  # streams the client (the gateway) left before the end
         self.finished = 0
         self.release = threading.Event()
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         app = Starlette(routes=[
             Route("/v1/models", self._models),
             Route("/health", self._health),
@@ -49,23 +46,17 @@ class FakeBackend:
             Route("/v1/chat/completions", self._generate, methods=["POST"]),
             Route("/v1/completions", self._generate, methods=["POST"]),
         ])
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.http = UvicornThread(app, "fake backend")
+        self.port, self.url, self.server = self.http.port, self.http.url, self.http.server
 
     # ---- lifecycle ----------------------------------------------------------------------
     def __enter__(self) -> Self:
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline, "fake backend did not start"
-            time.sleep(0.01)
+        self.http.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.release.set()
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+        self.http.stop()
 
     @property
     def open_connections(self) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Self
@@ -17,14 +16,13 @@ from typing import Any, Self
 import httpx
 import openai
 import pytest
-import uvicorn
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tests.backend.server.conftest import free_port
+from tests.uvicorn_thread import UvicornThread
 
 from .conftest import TEST_KEY, ThreadedGateway, config_for, tenants_for_tests
 from .stage_kit import VERSIONS
@@ -58,27 +56,18 @@ class Upstream:
 
     def __init__(self, stream: Stream) -> None:
         self.stream = stream
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        app = Starlette(routes=[
+        self.http = UvicornThread(Starlette(routes=[
             Route("/v1/models", self._models),
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
-        ])
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        ]), "the upstream")
+        self.url = self.http.url
 
     def __enter__(self) -> Self:
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the upstream did not start"
-            time.sleep(0.01)
+        self.http.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+        self.http.stop()
 
     async def _models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol import offload
+from protocol import large_bodies, offload
 from protocol.contract import MAX_MESSAGES
 from protocol.errors import BadRequest, RateLimited, ServiceUnavailable
 from protocol.offload import FairSlots, OffloadSettings, TokenizePool, Verdict, json_size_over
@@ -264,7 +264,7 @@ def die_job() -> tuple[None, int]:
 
 @pytest.fixture
 def parsing() -> Iterator[offload.WorkPool]:
-    p = offload.parse_pool()
+    p = large_bodies.parse_pool()
     yield p
     p.close()
 
@@ -273,14 +273,14 @@ async def test_a_parse_pool_parses_in_another_process_and_refuses_there(
         parsing: offload.WorkPool) -> None:
     assert await parsing.run("a", pid_job) != os.getpid()
     body = {"model": "m", "messages": [{"role": "user", "content": "word " * 1000}]}
-    assert await parsing.run("a", offload.parse_job(json.dumps(body).encode())) == body
+    assert await parsing.run("a", large_bodies.parse_job(json.dumps(body).encode())) == body
     many = json.dumps({"messages": [{"role": "user", "content": ""}] * (MAX_MESSAGES + 1)})
     with pytest.raises(BadRequest) as refused:  # refused in the worker: the error crosses
-        await parsing.run("a", offload.parse_job(many.encode()))
+        await parsing.run("a", large_bodies.parse_job(many.encode()))
     assert (refused.value.status, refused.value.param) == (400, "messages")
     assert refused.value.code == "invalid_value"
     with pytest.raises(BadRequest) as bad:
-        await parsing.run("a", offload.parse_job(b'{"messages": [{"content": "\\ud800"}]}'))
+        await parsing.run("a", large_bodies.parse_job(b'{"messages": [{"content": "\\ud800"}]}'))
     assert bad.value.code == "invalid_unicode" and bad.value.param == "messages[0].content"
     snap = parsing.snapshot()
     assert (snap.running, snap.waiting, snap.tenants) == (0, 0, 0)
@@ -292,7 +292,7 @@ async def test_a_dead_parse_worker_is_a_503_and_the_next_job_gets_a_new_one(
     # CPython 3.11's starting one while another dies races in its own thread
     first = set(await asyncio.gather(parsing.run("a", functools.partial(pid_after, 0.3)),
                                      parsing.run("b", functools.partial(pid_after, 0.3))))
-    assert len(first) == offload.PARSE_WORKERS
+    assert len(first) == large_bodies.PARSE_WORKERS
     with pytest.raises(ServiceUnavailable) as refused:
         await parsing.run("a", die_job)
     assert refused.value.code == "large_bodies_busy" and refused.value.retry_after_s
@@ -303,7 +303,7 @@ async def test_a_dead_parse_worker_is_a_503_and_the_next_job_gets_a_new_one(
 
 async def test_a_parse_pool_refuses_a_tenant_past_its_share_with_its_own_words() -> None:
     p = offload.WorkPool(OffloadSettings(workers=1, per_tenant=1, max_waiting=0),
-                         processes=True, wording=offload.PARSE)
+                         processes=True, wording=large_bodies.PARSE)
     try:
         slow = asyncio.create_task(p.run("a", functools.partial(sleep_job, 0.5)))
         await asyncio.sleep(0)
@@ -344,13 +344,13 @@ def gone_within(pids: set[int], seconds: float) -> bool:
 
 SERVER = """
 import asyncio, functools, sys
-from protocol import offload
+from protocol import large_bodies
 from tests.protocol.test_offload import pid_after
 
 async def main():
-    pool = offload.parse_pool()
+    pool = large_bodies.parse_pool()
     pids = await asyncio.gather(*(pool.run(str(i), functools.partial(pid_after, 0.3))
-                                  for i in range(offload.PARSE_WORKERS)))
+                                  for i in range(large_bodies.PARSE_WORKERS)))
     print(*pids, flush=True)
     await asyncio.sleep(3600)
 
@@ -364,7 +364,7 @@ def test_workers_leave_when_the_server_is_killed() -> None:
     try:
         assert server.stdout is not None
         workers = {int(p) for p in server.stdout.readline().split()}
-        assert len(workers) == offload.PARSE_WORKERS and all(alive(p) for p in workers)
+        assert len(workers) == large_bodies.PARSE_WORKERS and all(alive(p) for p in workers)
     finally:
         server.kill()  # SIGKILL: nothing of the server's runs after it
         server.wait()
