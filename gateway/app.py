@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from protocol.http import clean_request_id, error_response, exception_handlers
+from protocol.large_bodies import warm as warm_parsing
 from protocol.limits import ConnectionCounts
 from telemetry.config import resolve as resolve_telemetry
 
@@ -181,7 +182,7 @@ def create_app(config: GatewayConfig, tenants: TenantsFile, *,
             gw.metrics.bind_connections(connections.snapshot)
         await gw.start()
         if warm:
-            gw.parse_pool.warm()
+            warm_parsing(gw.parse_pool)
         app.state.gateway = gw
         # Everything built so far lives as long as the process: keep it out of the cyclic
         # collector's full passes, whose cost grows with the heap (a full pass over the

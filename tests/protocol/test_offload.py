@@ -23,6 +23,7 @@ from protocol import large_bodies, offload
 from protocol.contract import MAX_MESSAGES
 from protocol.errors import BadRequest, RateLimited, ServiceUnavailable
 from protocol.offload import FairSlots, OffloadSettings, TokenizePool, Verdict, json_size_over
+from tests.protocol import probe_jobs
 
 # ---- the pure core ----------------------------------------------------------------------
 
@@ -381,3 +382,18 @@ async def test_close_and_a_dead_worker_stop_every_worker(parsing: offload.WorkPo
                                       parsing.run("b", functools.partial(pid_after, 0.3))))
     parsing.close()
     assert await asyncio.to_thread(gone_within, second, 30)
+
+
+@pytest.mark.parametrize("warmed", [False, True])
+async def test_warming_imports_the_parse_module_in_every_worker(warmed: bool) -> None:
+    pool = large_bodies.parse_pool()
+    try:
+        if warmed:
+            large_bodies.warm(pool)
+        # as many jobs at once as workers: each lands on its own worker
+        loaded = await asyncio.gather(*(
+            pool.run(str(i), functools.partial(probe_jobs.loaded_after, 0.3))
+            for i in range(large_bodies.PARSE_WORKERS)))
+        assert loaded == [warmed] * large_bodies.PARSE_WORKERS
+    finally:
+        pool.close()
