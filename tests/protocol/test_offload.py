@@ -330,8 +330,11 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
+    try:  # a zombie (exited, not reaped yet) is gone too
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:  # reaped meanwhile (ENOENT, or ESRCH mid-read)
+        return False
+    return state != "Z"
 
 
 def gone_within(pids: set[int], seconds: float) -> bool:
