@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed
 #   python3 -m venv .venv
 #   .venv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 #   make install
-$(STAMP): pyproject.toml setup.py telemetry/_otlp.c
+$(STAMP): pyproject.toml
 	@echo "installing into $(VENV): about 6 min on a fresh machine, most of it torch;" \
 		"pip prints nothing while it works"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,8 +22,7 @@ $(STAMP): pyproject.toml setup.py telemetry/_otlp.c
 	@echo "[2/3] torch==2.13.0 (from PyPI on Linux x86_64: the CUDA build, several GB;" \
 		"minutes; seconds if $(VENV) has it already)"
 	$(PY) -m pip install -q torch==2.13.0
-	@echo "[3/3] sluice and its test extras: pip install -e '.[test]', which also builds" \
-		"telemetry/_otlp.c (1-2 min)"
+	@echo "[3/3] sluice and its test extras: pip install -e '.[test]' (about a minute)"
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 	@echo "installed: $(VENV)"

@@ -77,7 +77,7 @@ class AdmissionSnapshot:
 
 class Reservation:
     """One request's reservation, from its grant to its settlement; traced as the
-    ``sluice.admission.reserve`` phase (the grant) and ``sluice.settle``.
+    ``sluice.admission.reserve`` phase span (the grant) and the ``sluice.settle`` event.
 
     The grant is shielded: a client leaving mid-call must not leave a granted reservation
     behind, so one that lands after the caller left is settled at zero instead."""
@@ -123,8 +123,8 @@ class Reservation:
         if self.ticket is None:
             return
         trace = self._trace
-        trace.end(trace.start(SETTLE), **{"gen_ai.usage.input_tokens": self._prompt,
-                                          "gen_ai.usage.output_tokens": self._completion})
+        trace.event(SETTLE, **{"gen_ai.usage.input_tokens": self._prompt,
+                               "gen_ai.usage.output_tokens": self._completion})
         self._admission.settle(self.ticket, self._prompt + self._completion)
 
 

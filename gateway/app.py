@@ -157,8 +157,11 @@ async def _store_check(gw: Gateway) -> dict[str, Any]:
 
 
 async def metrics(request: Request) -> Response:
+    """Live state read on the loop; the text formatted on a worker thread (a large scrape
+    takes a while and must not hold the loop)."""
     gw = gateway_of(request)
-    return Response(gw.metrics.render(), media_type=CONTENT_TYPE)
+    text = await asyncio.to_thread(gw.metrics.registry.render_later())
+    return Response(text, media_type=CONTENT_TYPE)
 
 
 def create_app(config: GatewayConfig, tenants: TenantsFile, *,

@@ -121,7 +121,7 @@ class ProxyEndpoint:
         finally:
             ended = exchange.ended if exchange is not None else None
             outcome = outcome_of(reply, ended)
-            observe(gw.metrics, reply, ended, times, outcome)
+            observe(gw.metrics, reply, ended, times, outcome, self.kind)
             trace.finish(reply.status or 499, outcome.value)
         gw.trimmer.after(body_bytes)  # a large body's memory goes back once it is freed
 
@@ -134,14 +134,13 @@ class ProxyEndpoint:
                 "the gateway is shutting down; retry on another replica",
                 retry_after_s=DRAIN_RETRY_AFTER_S, code="draining"), None)
             return None, 0
-        span = trace.start(AUTH)
         try:
             tenant = gw.registry.authenticate(header(scope, b"authorization"))
         except GatewayError as err:
-            trace.end(span, **{"error.type": err.code or "auth"})
+            trace.event(AUTH, **{"error.type": err.code or "auth"})
             await send_error(reply, err, None)
             return None, 0
-        trace.end(span, **{"sluice.tenant.id": tenant.id})
+        trace.event(AUTH, **{"sluice.tenant.id": tenant.id})
         trace.set(tenant=tenant.id)
         reply.tenant = tenant.id
         raw = b""

@@ -43,7 +43,7 @@ from policies.retry_budget import RetryBudget
 
 from .errors import GatewayError, GatewayTimeout, RevisionUnavailable, ServiceUnavailable
 from .pool import AllOpen, Member, NoRevision, Router
-from .tracing import UPSTREAM, NoTrace
+from .tracing import BACKOFF, UPSTREAM, NoTrace
 from .upstream import Fault
 
 T = TypeVar("T")
@@ -214,7 +214,7 @@ class Failover:
         self.attempt = nxt
         self._tried.add(nxt.member.key)
         try:
-            span = self.trace.start("sluice.retry.backoff", {
+            span = self.trace.start(BACKOFF, {
                 "sluice.attempt": nxt.number, "sluice.upstream.member": nxt.member.url})
             try:
                 await asyncio.sleep(backoff_s)

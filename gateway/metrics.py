@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Iterator
 from policies.breaker import STATE_VALUE
 from protocol.limits import ConnectionCounts
 from protocol.offload import PoolSnapshot
+from telemetry.genai import GenAiClient, GenAiServer
 from telemetry.metrics import (
     CONTENT_TYPE,
     LATENCY_BUCKETS,
@@ -67,6 +68,10 @@ class GatewayMetrics:
         self.queue_time = r.histogram(P + "queue_time_seconds", "Time waiting for upstream "
                                       "capacity in the gateway's queue.", SLO_LABELS,
                                       LATENCY_BUCKETS)
+        # the GenAI semantic conventions' (telemetry/genai.py): the gateway serves its
+        # clients and is the client of its upstreams
+        self.genai = GenAiServer(r)
+        self.genai_client = GenAiClient(r)
         # resilience (docs/resilience.md): plain dicts, read at scrape time
         self.retries: dict[tuple[str, str], int] = {}  # (model, outcome) -> count
         self.failures: dict[tuple[str, str, str], int] = {}  # (model, upstream, reason)

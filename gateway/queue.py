@@ -151,7 +151,8 @@ class Holding:
             raise
         ms = int(held.waited_s * 1000)
         trace.set(queue_ms=ms)
-        trace.end(span, **{"sluice.queue_ms": ms})
+        if held.waited_s > 0:  # a request that never waited has no queue span
+            trace.end(span, **{"sluice.queue_ms": ms})
         self.slot = held
         return held
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from protocol.sse import MAX_EVENT_BYTES, EventSplitter, EventTooLong, dumps
 from protocol.versions import RESOLVED_HEADER, SHORT, ResolvedVersions
-from telemetry.metrics import HistogramPoint
+from telemetry.metrics import Observer
 
 from .client_io import Reply, stamp_headers
 from .errors import BadGateway, RevisionMismatch
@@ -83,7 +83,7 @@ class Relay:
     def __init__(self, p: Prepared, reply: Reply, times: RequestTimes,
                  headers: list[tuple[bytes, bytes]],
                  refresh: Callable[[Upstream], Awaitable[None]],
-                 itl: HistogramPoint | None = None) -> None:
+                 itl: Observer | None = None) -> None:
         self.p = p
         self.reply = reply
         self.times = times
@@ -189,12 +189,12 @@ class Relay:
         headers = self._answer_headers(b"text/event-stream; charset=utf-8")
         headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
         trace = self.reply.trace
-        span = trace.start(RELAY)
+        trace.event(RELAY)
         try:
             await self.reply.start(200, headers)
             await self._relay_events(resp, rewriter)
         finally:
-            trace.end(span, **{"sluice.chunks": rewriter.chunks})
+            trace.set(chunks=rewriter.chunks)
 
     async def _relay_events(self, resp: Response, rewriter: ChunkRewriter) -> None:
         send = self.reply.send
@@ -253,14 +253,10 @@ class Relay:
         body = dumps(obj).encode()
         headers = self._answer_headers(b"application/json")
         headers.append((b"content-length", str(len(body)).encode()))
-        trace = self.reply.trace
-        span = trace.start(RELAY)
-        try:
-            await self.reply.start(200, headers)
-            await self.reply.send({"type": "http.response.body", "body": body,
-                                   "more_body": False})
-        finally:
-            trace.end(span)
+        self.reply.trace.event(RELAY)
+        await self.reply.start(200, headers)
+        await self.reply.send({"type": "http.response.body", "body": body,
+                               "more_body": False})
         self.done = True
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from telemetry.metrics import HistogramPoint
+from telemetry.metrics import Observer
 
 
 class RequestTimes:
@@ -14,7 +14,7 @@ class RequestTimes:
         self.received = received
         self.first: float | None = None  # first content chunk relayed
         self.last: float | None = None  # last content chunk relayed
-        self.itl: HistogramPoint | None = None  # this request's ITL histogram point
+        self.itl: Observer | None = None  # this request's ITL histogram series
 
     def chunks(self, n: int, now: float) -> bool:
         """``n`` more content chunks relayed at ``now``; True for the request's first."""

@@ -52,7 +52,7 @@ class Service:
 
     def cpu_split(self) -> tuple[float, float]:
         """CPU seconds of the service's own process, and of the rest of its process group
-        (its children: a span shipper, workers)."""
+        (its children: parse-pool workers)."""
         own = others = 0
         tick = os.sysconf("SC_CLK_TCK")
         for entry in Path("/proc").iterdir():

@@ -1,28 +1,32 @@
-"""What tracing costs the gateway, measured side by side in one run.
+"""What tracing costs the gateway, with the stock OpenTelemetry SDK, side by side in one run.
 
     python -m loadtest.tracing_cost [--quick] [--json FILE]
 
 Starts `sluice fake-upstream`, an OTLP/HTTP receiver (``python -m telemetry.bench.otlp_sink
 --no-decode``, its own process: in the load client's process its reads would stall the
-client's clock), and two `sluice gateway` processes with the same config
-in front of the same upstream: one with tracing off, one tracing every request
-(``OTEL_TRACES_SAMPLER=always_on``, OTLP/HTTP to the receiver). Then, interleaving the two
-in short segments as the overhead bench does (docs/overhead.md):
+client's clock), and four `sluice gateway` processes with the same config in front of the
+same upstream:
 
-(a) at a fixed rate both sustain, each gateway's CPU time per request and its latency;
-(b) each gateway's highest open-loop rate with p99 added <= 50 ms and < 1 % errors, the
-    two loaded in alternating segments at every step of the search (`joint_sweep`);
-(c) each gateway's saturation throughput: closed loop, a fixed number of clients each
-    sending its next request when its last one ends, so that the gateway is the bottleneck
-    (`saturation`), the two alternating in short segments over many rounds; the median of
-    the per-round ratios.
+* ``untraced``: ``OTEL_TRACES_EXPORTER=none``;
+* ``sdk-10%``: the Compose default, ``parentbased_traceidratio`` 0.1, the SDK's
+  ``BatchSpanProcessor`` and OTLP/HTTP exporter to the receiver;
+* ``sdk-100%``: the same, ``always_on``;
+* ``null-10%``: 10 % sampling into an exporter that drops every batch unread (a plugin,
+  chosen by ``OTEL_TRACES_EXPORTER`` through the SDK's entry points). No exporter can cost
+  less, so ``null-10%`` ÷ ``sdk-10%`` bounds what any faster exporter (a C encoder) could
+  win at the Compose default.
 
-Target (issue #6): tracing costs <= 10 % of max rate, i.e. traced / untraced >= 0.9, in
-(b) and (c). (b) is the rate within a latency bound; on this 2-core box its p99 curve is
-flat near the bound over a wide range of rates, so single steps flip with noise. (c) reads
-the same capacity without a latency threshold, and varies much less between runs.
-Each gateway's /metrics is read afterwards: the traced one must have exported every span
-(``sluice_telemetry_spans_total``), none dropped and none refused by the receiver.
+Then, interleaving the gateways in short segments as the overhead bench does
+(docs/overhead.md): (a) at a fixed rate all sustain, each gateway's CPU time per request
+and its latency; (c) each gateway's saturation throughput: closed loop, a fixed number of
+clients each sending its next request when its last one ends, so that the gateway is the
+bottleneck, the gateways alternating in short segments over many rounds; the median of the
+per-round ratios to ``untraced``.
+
+Targets (issue #22): ``sdk-10%`` ÷ ``untraced`` >= 0.9; the C encoder stays only if
+``null-10%`` ÷ ``sdk-10%`` >= 1.05 (it is gone: see docs/overhead.md). Each traced
+gateway's /metrics is read afterwards (``sluice_telemetry_spans_total``): spans exported,
+failed and dropped.
 """
 
 from __future__ import annotations
@@ -39,22 +43,36 @@ from typing import Any
 
 from loadtest import targets as procs
 from loadtest.load_client import Pool, check_stream, closed_loop
-from loadtest.measure import (
-    LADDER,
-    MAX_ADDED_P99_S,
-    MAX_ERROR_SHARE,
-    Step,
-    Sweep,
-    Target,
-    chat_request,
-    interleaved,
-    warm_up,
-)
+from loadtest.measure import Target, chat_request, interleaved, warm_up
 from loadtest.overhead import CHUNKS, Plan, _table
 from loadtest.report import run_bench, say, verdict, write_report
 
 GOAL_RATE_RATIO = 0.9
+NATIVE_WORTH = 1.05  # what a faster exporter must win at 10 % to be kept
 SATURATION_CLIENTS = 8
+
+NULL_EXPORTER = """
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+
+class NullExporter(SpanExporter):
+    def export(self, spans):
+        return SpanExportResult.SUCCESS
+"""
+
+
+def null_exporter_plugin(workdir: Path) -> Path:
+    """A directory to put on PYTHONPATH: an installed distribution whose trace exporter
+    ``null`` (entry point group ``opentelemetry_traces_exporter``) drops every batch."""
+    root = workdir / "null-exporter"
+    info = root / "sluice_null_exporter-1.0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (root / "sluice_null_exporter.py").write_text(NULL_EXPORTER)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sluice-null-exporter\n"
+                                   "Version: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[opentelemetry_traces_exporter]\nnull = sluice_null_exporter:NullExporter\n")
+    return root
 
 
 async def saturation(targets: list[Target], rounds: int, segment_s: float,
@@ -85,61 +103,6 @@ async def saturation(targets: list[Target], rounds: int, segment_s: float,
     return out
 
 
-async def joint_sweep(direct: Target, targets: list[Target], plan: Plan) -> dict[str, Sweep]:
-    """Each target's highest rate with p99 added <= 50 ms and < 1 % errors, the targets
-    loaded together at every step (interleaved segments, as in `interleaved`), so that a
-    drift in the machine's speed hits both alike: up the ladder until every target has
-    failed once, then bisect each target's last pass / first fail."""
-    results = {t.name: Sweep(t.name) for t in targets}
-    low: dict[str, float | None] = {t.name: None for t in targets}
-    high: dict[str, float | None] = {t.name: None for t in targets}
-
-    async def measure(rate: float) -> None:
-        seconds = max(plan.step_s, plan.step_requests / rate)
-        stats = await interleaved([direct, *targets], rate, seconds,
-                                  max(plan.step_segment_s, seconds / 3), CHUNKS,
-                                  overload_s=0.5, give_up=True)
-        notes = []
-        for t in targets:
-            step = Step(rate, stats[direct.name], stats[t.name])
-            step.sustained = (step.target.error_share < MAX_ERROR_SHARE
-                              and step.added_p99_ms <= MAX_ADDED_P99_S * 1000)
-            results[t.name].steps.append(step)
-            lo, hi = low[t.name], high[t.name]
-            if step.sustained and (lo is None or rate > lo) and (hi is None or rate < hi):
-                low[t.name] = rate
-            elif not step.sustained and (hi is None or rate < hi) and (lo is None or rate > lo):
-                high[t.name] = rate
-            notes.append(f"{t.name} p99 {step.target.e2e_p99_ms:7.2f} ms"
-                         f"{'' if step.sustained else ' (not sustained)'}")
-        say(f"  @ {rate:5.4g}/s: direct p99 {stats[direct.name].e2e_p99_ms:6.2f} ms; "
-            + "; ".join(notes))
-
-    for rate in LADDER:
-        await measure(rate)
-        if all(h is not None for h in high.values()):
-            break
-    for _ in range(plan.refinements):
-        for name in results:
-            lo, hi = low[name], high[name]
-            if lo is not None and hi is not None and hi - lo > 25:
-                await measure(round((lo + hi) / 2 / 25) * 25)
-    for name, result in results.items():
-        result.max_rate = low[name] or 0.0
-        result.limit = (f"p99 added > 50 ms or errors >= 1% at {high[name]:g}/s"
-                        if high[name] is not None else f"the ladder ends at {LADDER[-1]}/s")
-    return results
-
-
-def cpu_split_per_request(before: tuple[float, float], after: tuple[float, float],
-                          requests: int) -> dict[str, float]:
-    """The traced gateway's CPU per request in its serving process and in its shipper (the
-    rest of its process group), in µs."""
-    n = max(1, requests)
-    return {"serving": round((after[0] - before[0]) / n * 1e6, 1),
-            "shipper": round((after[1] - before[1]) / n * 1e6, 1)}
-
-
 def span_counts(port: int) -> dict[str, float]:
     """sluice_telemetry_spans_total by result, from a gateway's /metrics."""
     out: dict[str, float] = {}
@@ -168,38 +131,33 @@ async def _bench(plan: Plan, workdir: Path, stack: contextlib.ExitStack) -> dict
     endpoint = f"http://127.0.0.1:{sink.port}"
     up = procs.start_fake_upstream(workdir, CHUNKS)
     stack.callback(up.stop)
-    plain = procs.start_gateway(workdir, up.port, name="untraced",
-                                env={"OTEL_TRACES_EXPORTER": "none"})
-    stack.callback(plain.stop)
-    traced = procs.start_gateway(workdir, up.port, name="traced", env={
-        "OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
-        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_TRACES_SAMPLER": "always_on"})
-    stack.callback(traced.stop)
+    otlp = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
+    ratio = {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.1"}
+    plugin = f"{null_exporter_plugin(workdir)}:{procs.REPO_ROOT}"
+    envs = {"untraced": {"OTEL_TRACES_EXPORTER": "none"},
+            "sdk-10%": {**otlp, **ratio},
+            "sdk-100%": {**otlp, "OTEL_TRACES_SAMPLER": "always_on"},
+            "null-10%": {"OTEL_TRACES_EXPORTER": "null", "PYTHONPATH": plugin, **ratio}}
+    services: dict[str, procs.Service] = {}
+    for name, env in envs.items():
+        services[name] = procs.start_gateway(workdir, up.port, name=name.replace("%", ""),
+                                             env=env)
+        stack.callback(services[name].stop)
     direct = Target("direct", Pool("127.0.0.1", up.port, chat_request(up.port, None)))
-    gateways = [Target("untraced", Pool("127.0.0.1", plain.port,
-                                        chat_request(plain.port, procs.BENCH_KEY)),
-                       plain.cpu_seconds),
-                Target("traced", Pool("127.0.0.1", traced.port,
-                                      chat_request(traced.port, procs.BENCH_KEY)),
-                       traced.cpu_seconds)]
-    report: dict[str, Any] = {"plan": asdict(plan), "chunks": CHUNKS,
-                              "receiver": endpoint}
+    gateways = [Target(name, Pool("127.0.0.1", svc.port, chat_request(svc.port, procs.BENCH_KEY)),
+                       svc.cpu_seconds) for name, svc in services.items()]
+    report: dict[str, Any] = {"plan": asdict(plan), "chunks": CHUNKS, "receiver": endpoint,
+                              "gateways": envs}
     try:
         await warm_up([direct, *gateways])
-        split_before = traced.cpu_split()
         stats = await interleaved([direct, *gateways], plan.rate, plan.seconds,
                                   plan.segment_s, CHUNKS)
         report["at_rate"] = {k: asdict(v) for k, v in stats.items()}
         _table(f"(a) {plan.rate:g} requests/s streamed chat ({CHUNKS} chunks), "
                f"{plan.seconds:g} s per target", stats, "direct")
-        report["traced_cpu_split_us"] = split = cpu_split_per_request(
-            split_before, traced.cpu_split(), stats["traced"].n)
-        say(f"traced gateway's CPU per request: serving process {split['serving']:.0f} µs, "
-            f"span shipper {split['shipper']:.0f} µs")
-        say("\n(b) highest open-loop rate with p99 added <= 50 ms and < 1% errors, both "
-            "gateways loaded at each step")
-        sweeps = await joint_sweep(direct, gateways, plan)
-        report["sweeps"] = {k: asdict(v) for k, v in sweeps.items()}
+        say("CPU per request: " + ", ".join(
+            f"{g.name} {stats[g.name].cpu_us_per_request or math.nan:.0f} µs" for g in gateways))
         say(f"\n(c) saturation throughput: {SATURATION_CLIENTS} closed-loop clients, "
             f"{plan.saturation_rounds} rounds of {plan.saturation_segment_s:g} s per gateway")
         report["saturation"] = sat = await saturation(gateways, plan.saturation_rounds,
@@ -208,36 +166,35 @@ async def _bench(plan: Plan, workdir: Path, stack: contextlib.ExitStack) -> dict
         for target in [direct, *gateways]:
             await target.pool.close()
 
-    counts = span_counts(traced.port)
-    report["spans"] = counts
-    say(f"\ntraced gateway's spans (sluice_telemetry_spans_total): {counts}")
-    say("max sustained rate:")
-    for name, s in sweeps.items():
-        say(f"  {name:<10}{s.max_rate:>7.0f} requests/s (stopped by: {s.limit})")
-    say("\ntargets:")
-    ratio = (sweeps["traced"].max_rate / sweeps["untraced"].max_rate
-             if sweeps["untraced"].max_rate else math.nan)
-    cpu_plain = stats["untraced"].cpu_us_per_request
-    cpu_traced = stats["traced"].cpu_us_per_request
-    cpu_ratio = cpu_plain / cpu_traced if cpu_plain and cpu_traced else math.nan
-    exported_all = (counts.get("exported", 0) > 0 and counts.get("dropped_queue_full", 0) == 0
-                    and counts.get("export_failed", 0) == 0)
-    sat_ratio = sat["median_ratio"]["traced"]
-    say(f"saturation throughput (median of {plan.saturation_rounds} rounds): " + ", ".join(
-        f"{n} {v:.0f}/s" for n, v in sat["median_rate"].items())
-        + f"; traced / untraced per round: median {sat_ratio:.3f}, "
-        f"{min(sat['ratios']['traced']):.3f}-{max(sat['ratios']['traced']):.3f}"
-        + (f"; errors {sat['errors']}" if any(sat["errors"].values()) else ""))
-    report["tracing_max_rate_ratio"] = round(ratio, 3)
-    report["tracing_saturation_ratio"] = round(sat_ratio, 3)
-    report["tracing_cpu_ratio"] = round(cpu_ratio, 3)
+    report["spans"] = counts = {name: span_counts(svc.port) for name, svc in services.items()
+                                if name != "untraced"}
+    say(f"\nspans by fate (sluice_telemetry_spans_total): {counts}")
+    ratios = sat["median_ratio"]
+    per_round = sat["ratios"]
+    say("saturation throughput (median of the rounds): " + ", ".join(
+        f"{n} {v:.0f}/s" for n, v in sat["median_rate"].items()))
+    for name in ratios:
+        say(f"  {name} / untraced per round: median {ratios[name]:.3f}, "
+            f"{min(per_round[name]):.3f}-{max(per_round[name]):.3f}")
+    native = [a / b for a, b in zip(sat["rates"]["null-10%"], sat["rates"]["sdk-10%"],
+                                    strict=True) if b]
+    native_worth = statistics.median(native) if native else math.nan
+    say(f"  null-10% / sdk-10% per round (the most any exporter could win at 10 %): "
+        f"median {native_worth:.3f}")
+    cpu = {g.name: stats[g.name].cpu_us_per_request for g in gateways}
+    report["ratios"] = {**{k: round(v, 3) for k, v in ratios.items()},
+                        "null_over_sdk_10": round(native_worth, 3)}
+    report["cpu_us_per_request"] = cpu
     report["verdicts"] = [
-        verdict(f"max rate within p99 bound, traced / untraced (>= {GOAL_RATE_RATIO:g})",
-                ratio, None if math.isnan(ratio) else ratio >= GOAL_RATE_RATIO),
-        verdict(f"saturation throughput, traced / untraced (>= {GOAL_RATE_RATIO:g})",
-                sat_ratio, None if math.isnan(sat_ratio) else sat_ratio >= GOAL_RATE_RATIO),
-        verdict(f"CPU per request at {plan.rate:g}/s, untraced / traced", cpu_ratio, None),
-        verdict("every span exported (none dropped or failed)", None, exported_all),
+        verdict(f"saturation throughput, sdk-10% / untraced (>= {GOAL_RATE_RATIO:g})",
+                ratios["sdk-10%"], ratios["sdk-10%"] >= GOAL_RATE_RATIO),
+        verdict("saturation throughput, sdk-100% / untraced", ratios["sdk-100%"], None),
+        verdict(f"no exporter could win >= 5 % at 10 %: null-10% / sdk-10% < "
+                f"{NATIVE_WORTH:g} (else a C encoder would be worth keeping)", native_worth,
+                None if math.isnan(native_worth) else native_worth < NATIVE_WORTH),
+        verdict("no span failed (export_failed == 0)", None,
+                all(c.get("export_failed", 0) == 0 and c.get("exported", 0) > 0
+                    for c in counts.values())),
     ]
     return report
 
@@ -250,9 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=200.0,
                         help="rate of part (a), requests/s (default 200)")
     args = parser.parse_args(argv)
-    # three bisections: the ladder's gaps (<= 500/s) narrowed to <= 65/s
-    plan = Plan.quick(args.rate) if args.quick else Plan(rate=args.rate, refinements=3,
-                                                         saturation_rounds=16)
+    plan = Plan.quick(args.rate) if args.quick else Plan(rate=args.rate, saturation_rounds=12)
     status, report = run_bench("tracing", lambda tmp, stack: _bench(plan, tmp, stack))
     if status:
         return status

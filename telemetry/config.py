@@ -1,36 +1,34 @@
-"""Telemetry settings: the ``telemetry:`` section of a YAML config, then the standard
-OpenTelemetry environment variables on top.
+"""Telemetry settings: the ``telemetry:`` section of a YAML config, under the standard
+OpenTelemetry environment variables.
 
-The environment wins over the file, so an operator can point a deployed process at a
-collector without editing its config (the same rule as ``SLUICE_*`` overrides). Variables
-honored, as the OpenTelemetry spec defines them:
+The OpenTelemetry SDK reads the environment itself: the OTLP exporters take their endpoint,
+headers, timeout, compression and TLS files from ``OTEL_EXPORTER_OTLP_*``, the batch span
+processor its sizes from ``OTEL_BSP_*``, the resource ``OTEL_SERVICE_NAME`` and
+``OTEL_RESOURCE_ATTRIBUTES``. This module only decides what to build (which exporters, which
+sampler) and hands the file's values to the SDK where the environment says nothing, so the
+environment always wins over the file, as the specification says.
 
-``OTEL_SDK_DISABLED``, ``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``,
-``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER`` (``otlp``, ``console``, ``none``),
-``OTEL_EXPORTER_OTLP_ENDPOINT`` and the per-signal ``…_TRACES_ENDPOINT`` /
-``…_METRICS_ENDPOINT``, ``OTEL_EXPORTER_OTLP_PROTOCOL`` (and per signal;
-``http/protobuf`` or ``grpc``), ``OTEL_EXPORTER_OTLP_HEADERS``, ``OTEL_EXPORTER_OTLP_TIMEOUT``
-(ms), ``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG``, ``OTEL_BSP_SCHEDULE_DELAY``,
-``OTEL_BSP_MAX_QUEUE_SIZE``, ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE``, ``OTEL_METRIC_EXPORT_INTERVAL``.
-
-Unlike the SDK's own default (``otlp``), traces and OTLP metrics are off unless configured:
-``sluice up`` on a laptop must not log export errors for a collector nobody started.
-Prometheus ``/metrics`` is always served.
+Two differences from the SDK's own defaults, both so that ``sluice up`` on a laptop logs no
+export errors for a collector nobody started: traces and OTLP metrics are off unless the
+file or ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER`` turn them on, and ``otlp``
+means OTLP/HTTP (``http/protobuf``, the specification's default) unless
+``OTEL_EXPORTER_OTLP_PROTOCOL`` says ``grpc``. Prometheus ``/metrics`` is always served.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, cast
-from urllib.parse import unquote
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Exporter = Literal["otlp", "console", "none"]
 Protocol = Literal["http/protobuf", "grpc"]
-SAMPLERS = ("always_on", "always_off", "traceidratio", "parentbased_always_on",
-            "parentbased_always_off", "parentbased_traceidratio")
+PROTOCOLS: tuple[Protocol, ...] = ("http/protobuf", "grpc")
+TRACES_EXPORTERS = "opentelemetry_traces_exporter"  # the SDK's entry-point groups
+SAMPLERS = "opentelemetry_traces_sampler"
+_OTLP_ENTRY = {"http/protobuf": "otlp_proto_http", "grpc": "otlp_proto_grpc"}
 
 
 class TelemetryError(ValueError):
@@ -42,18 +40,17 @@ class _Strict(BaseModel):
 
 
 class TracesConfig(_Strict):
-    exporter: Exporter = "none"
+    # otlp | console | none, or any exporter installed under the SDK's
+    # ``opentelemetry_traces_exporter`` entry points; a comma-separated list for several.
+    exporter: str = "none"
     endpoint: str | None = None  # OTLP base URL; default http://localhost:4318 (grpc: 4317)
     protocol: Protocol = "http/protobuf"
-    sampler: str = "parentbased_always_on"
+    sampler: str = "parentbased_always_on"  # a name of the SDK's sampler entry points
     sampler_arg: float | None = Field(None, ge=0, le=1)
-    # Encode and send OTLP in a child process (python -m telemetry.shipper), off the
-    # serving process's CPU; false: on an export thread in the serving process.
-    export_process: bool = True
 
 
 class MetricsConfig(_Strict):
-    exporter: Exporter = "none"  # OTLP push; Prometheus /metrics is served either way
+    exporter: Literal["otlp", "console", "none"] = "none"  # OTLP push; /metrics either way
     endpoint: str | None = None
     protocol: Protocol = "http/protobuf"
     interval_s: float = Field(10.0, gt=0)
@@ -71,147 +68,148 @@ class TelemetryConfig(_Strict):
 
 
 @dataclass(slots=True, frozen=True)
-class ExportTarget:
-    exporter: Exporter
-    protocol: Protocol
-    url: str  # http/protobuf: the full URL to POST to; grpc: http(s)://host:port
+class OtlpArgs:
+    """Constructor arguments for an SDK OTLP exporter: the file's values, each only where
+    the environment sets nothing for it (None: the exporter reads its own variable)."""
+
+    endpoint: str | None = None
+    headers: dict[str, str] | None = None
+    timeout_s: float | None = None
 
 
 @dataclass(slots=True, frozen=True)
 class Settings:
-    """Everything resolved: what `telemetry.setup` builds from."""
+    """Everything resolved: what ``telemetry.setup`` builds from."""
 
-    service_name: str
-    resource_attributes: dict[str, str]  # from OTEL_RESOURCE_ATTRIBUTES
-    traces: ExportTarget
-    metrics: ExportTarget
+    service_name: str | None  # None: the environment names the service
+    exporters: tuple[str, ...]  # entry-point names in opentelemetry_traces_exporter
+    traces_otlp: OtlpArgs
     sampler: str
     sampler_arg: float | None
-    headers: dict[str, str]
-    timeout_s: float
-    schedule_delay_s: float
-    max_queue_size: int
-    max_batch_size: int
+    metrics_exporter: str | None  # otlp_proto_http | otlp_proto_grpc | None
+    metrics_otlp: OtlpArgs
     metrics_interval_s: float
     max_label_values: int
-    export_process: bool = True
 
     @property
     def tracing(self) -> bool:
-        return self.traces.exporter != "none" and self.sampler != "always_off"
+        return bool(self.exporters) and self.sampler != "always_off"
 
 
-def _parse_kv(value: str, what: str) -> dict[str, str]:
-    """``k=v,k2=v2`` (W3C baggage style, values percent-decoded)."""
-    out: dict[str, str] = {}
-    for item in value.split(","):
-        if not item.strip():
-            continue
-        key, sep, val = item.partition("=")
-        if not sep or not key.strip():
-            raise TelemetryError(f"{what}: expected key=value pairs, got {item!r}")
-        out[key.strip()] = unquote(val.strip())
-    return out
+def entry_point_names(group: str) -> set[str]:
+    return set(importlib.metadata.entry_points(group=group).names)
 
 
-def _number(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise TelemetryError(f"{name}={raw!r} is not a number") from None
-
-
-def _exporter(env: Mapping[str, str], name: str, default: Exporter) -> Exporter:
-    raw = env.get(name)
-    if not raw:
-        return default
-    # A list is allowed by the spec; we support one exporter per signal.
-    first = raw.split(",")[0].strip().lower()
-    if first not in ("otlp", "console", "none"):
-        raise TelemetryError(f"{name}={raw!r}: supported exporters are otlp, console, none")
-    return cast(Exporter, first)  # one of Exporter's values: checked just above
-
-
-def _protocol(env: Mapping[str, str], signal: str, default: Protocol) -> Protocol:
-    raw = env.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL") or env.get(
-        "OTEL_EXPORTER_OTLP_PROTOCOL")
-    if not raw:
-        return default
-    if raw not in ("http/protobuf", "grpc"):
+def _protocol(env: Mapping[str, str], signal: str, file_value: Protocol) -> Protocol:
+    raw = (env.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL")
+           or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or file_value).strip()
+    if raw == "grpc":
+        return "grpc"
+    if raw != "http/protobuf":
         raise TelemetryError(f"OTLP protocol {raw!r}: supported are http/protobuf and grpc")
-    return cast(Protocol, raw)  # one of Protocol's values: checked just above
+    return "http/protobuf"
 
 
-def _target(env: Mapping[str, str], signal: str, exporter: Exporter, protocol: Protocol,
-            file_endpoint: str | None) -> ExportTarget:
-    """The OTLP URL for one signal, per the spec: a per-signal endpoint is used as is; the
-    general one is a base that gets ``/v1/<signal>`` appended (http/protobuf only)."""
-    path = f"/v1/{signal.lower()}"
-    specific = env.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT")
-    base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or file_endpoint
-    if protocol == "grpc":
-        url = specific or base or "http://localhost:4317"
-    elif specific:
-        url = specific
-    else:
-        url = (base or "http://localhost:4318").rstrip("/") + path
-    if exporter == "otlp" and not url.startswith(("http://", "https://")):
-        raise TelemetryError(f"OTLP endpoint {url!r} must start with http:// or https://")
-    return ExportTarget(exporter, protocol, url)
+def _exporter_names(raw: str, env: Mapping[str, str], signal: str,
+                    file_protocol: Protocol) -> tuple[str, ...]:
+    """The spec's exporter list as entry-point names: ``otlp`` becomes the protocol's
+    exporter, ``none`` alone means none."""
+    names = [n.strip().lower() for n in raw.split(",") if n.strip()]
+    if names == ["none"] or not names:
+        return ()
+    known = entry_point_names(TRACES_EXPORTERS)
+    out: list[str] = []
+    for name in names:
+        if name == "otlp":
+            name = _OTLP_ENTRY[_protocol(env, signal, file_protocol)]
+        if name not in known:
+            raise TelemetryError(
+                f"trace exporter {name!r} is not installed (entry point group "
+                f"{TRACES_EXPORTERS}: {', '.join(sorted(known))}); otlp, console and none "
+                "are built in")
+        if name not in out:
+            out.append(name)
+    return tuple(out)
+
+
+def _otlp_args(env: Mapping[str, str], signal: str, protocol: Protocol,
+               cfg: TelemetryConfig, file_endpoint: str | None) -> OtlpArgs:
+    """The file's endpoint, headers and timeout where the environment has none. A file
+    endpoint is a base URL, as ``OTEL_EXPORTER_OTLP_ENDPOINT``: HTTP gets the signal's
+    path appended."""
+    endpoint = None
+    if file_endpoint and not (env.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT")
+                              or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")):
+        if not file_endpoint.startswith(("http://", "https://")):
+            raise TelemetryError(f"OTLP endpoint {file_endpoint!r} must start with http:// "
+                                 "or https://")
+        endpoint = (file_endpoint if protocol == "grpc"
+                    else file_endpoint.rstrip("/") + f"/v1/{signal.lower()}")
+    headers = None
+    if cfg.headers and not (env.get(f"OTEL_EXPORTER_OTLP_{signal}_HEADERS")
+                            or env.get("OTEL_EXPORTER_OTLP_HEADERS")):
+        headers = dict(cfg.headers)
+    timeout = None
+    if not (env.get(f"OTEL_EXPORTER_OTLP_{signal}_TIMEOUT")
+            or env.get("OTEL_EXPORTER_OTLP_TIMEOUT")):
+        timeout = cfg.timeout_s
+    return OtlpArgs(endpoint, headers, timeout)
+
+
+def _sampler(env: Mapping[str, str], cfg: TracesConfig) -> tuple[str, float | None]:
+    name = (env.get("OTEL_TRACES_SAMPLER") or cfg.sampler).strip().lower()
+    known = entry_point_names(SAMPLERS)
+    if name not in known:
+        raise TelemetryError(f"sampler {name!r}: installed are {', '.join(sorted(known))}")
+    arg = cfg.sampler_arg
+    raw = env.get("OTEL_TRACES_SAMPLER_ARG")
+    if raw:
+        try:
+            arg = float(raw)
+        except ValueError:
+            raise TelemetryError(f"OTEL_TRACES_SAMPLER_ARG={raw!r} is not a number") from None
+        if not 0.0 <= arg <= 1.0:
+            raise TelemetryError(f"OTEL_TRACES_SAMPLER_ARG={arg} must lie in [0, 1]")
+    return name, arg
 
 
 def resolve(config: TelemetryConfig | None, default_service: str,
             env: Mapping[str, str]) -> Settings:
-    """The file's settings with the environment applied; raises TelemetryError."""
+    """The file's settings under the environment; raises TelemetryError."""
     cfg = config or TelemetryConfig()
     disabled = env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
-    traces_exp = "none" if disabled else _exporter(env, "OTEL_TRACES_EXPORTER",
-                                                   cfg.traces.exporter)
-    metrics_exp = "none" if disabled else _exporter(env, "OTEL_METRICS_EXPORTER",
-                                                    cfg.metrics.exporter)
-    if metrics_exp == "console":
-        metrics_exp = "none"  # Prometheus /metrics is the human-readable view
-    sampler = (env.get("OTEL_TRACES_SAMPLER") or cfg.traces.sampler).strip().lower()
-    if sampler not in SAMPLERS:
-        raise TelemetryError(f"sampler {sampler!r}: supported are {', '.join(SAMPLERS)}")
-    arg = cfg.traces.sampler_arg
-    if env.get("OTEL_TRACES_SAMPLER_ARG"):
-        arg = _number(env, "OTEL_TRACES_SAMPLER_ARG", 1.0)
-        if not 0.0 <= arg <= 1.0:
-            raise TelemetryError(f"OTEL_TRACES_SAMPLER_ARG={arg} must lie in [0, 1]")
-    headers = dict(cfg.headers)
-    if env.get("OTEL_EXPORTER_OTLP_HEADERS"):
-        headers.update(_parse_kv(env["OTEL_EXPORTER_OTLP_HEADERS"], "OTEL_EXPORTER_OTLP_HEADERS"))
-    resource = _parse_kv(env.get("OTEL_RESOURCE_ATTRIBUTES", ""), "OTEL_RESOURCE_ATTRIBUTES")
-    # The spec's order, then the file: the environment wins over it (module docstring).
-    service = env.get("OTEL_SERVICE_NAME") or resource.get(
-        "service.name") or cfg.service_name or default_service
-    timeout_ms = _number(env, "OTEL_EXPORTER_OTLP_TIMEOUT", cfg.timeout_s * 1000)
-    batch = int(_number(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512))
-    queue = int(_number(env, "OTEL_BSP_MAX_QUEUE_SIZE", 8192))
-    if batch < 1 or queue < batch:
-        raise TelemetryError("OTEL_BSP_MAX_EXPORT_BATCH_SIZE must be >= 1 and <= "
-                             "OTEL_BSP_MAX_QUEUE_SIZE")
+    traces_protocol = _protocol(env, "TRACES", cfg.traces.protocol)
+    exporters = () if disabled else _exporter_names(
+        env.get("OTEL_TRACES_EXPORTER") or cfg.traces.exporter, env, "TRACES",
+        cfg.traces.protocol)
+    sampler, arg = _sampler(env, cfg.traces)
+    metrics_raw = (env.get("OTEL_METRICS_EXPORTER") or cfg.metrics.exporter).strip().lower()
+    metrics_names = [n.strip() for n in metrics_raw.split(",") if n.strip()]
+    unknown = set(metrics_names) - {"otlp", "console", "none", "prometheus"}
+    if unknown:
+        raise TelemetryError(f"metrics exporter {', '.join(sorted(unknown))}: supported are "
+                             "otlp (push) and none; Prometheus /metrics is always served")
+    metrics_protocol = _protocol(env, "METRICS", cfg.metrics.protocol)
+    metrics_exporter = (_OTLP_ENTRY[metrics_protocol]
+                        if "otlp" in metrics_names and not disabled else None)
+    service = None
+    resource_env = env.get("OTEL_RESOURCE_ATTRIBUTES", "")
+    if not env.get("OTEL_SERVICE_NAME") and "service.name=" not in resource_env.replace(" ", ""):
+        service = cfg.service_name or default_service
+    interval_ms = env.get("OTEL_METRIC_EXPORT_INTERVAL")
+    try:
+        interval_s = float(interval_ms) / 1000 if interval_ms else cfg.metrics.interval_s
+    except ValueError:
+        raise TelemetryError(f"OTEL_METRIC_EXPORT_INTERVAL={interval_ms!r} is not a number") \
+            from None
     return Settings(
         service_name=service,
-        resource_attributes=resource,
-        traces=_target(env, "TRACES", traces_exp,
-                       _protocol(env, "TRACES", cfg.traces.protocol), cfg.traces.endpoint),
-        metrics=_target(env, "METRICS", metrics_exp,
-                        _protocol(env, "METRICS", cfg.metrics.protocol),
-                        cfg.metrics.endpoint),
+        exporters=exporters,
+        traces_otlp=_otlp_args(env, "TRACES", traces_protocol, cfg, cfg.traces.endpoint),
         sampler=sampler,
         sampler_arg=arg,
-        headers=headers,
-        timeout_s=max(0.001, timeout_ms / 1000),
-        schedule_delay_s=max(0.01, _number(env, "OTEL_BSP_SCHEDULE_DELAY", 1000) / 1000),
-        max_queue_size=queue,
-        max_batch_size=batch,
-        metrics_interval_s=max(0.05, _number(env, "OTEL_METRIC_EXPORT_INTERVAL",
-                                             cfg.metrics.interval_s * 1000) / 1000),
+        metrics_exporter=metrics_exporter,
+        metrics_otlp=_otlp_args(env, "METRICS", metrics_protocol, cfg, cfg.metrics.endpoint),
+        metrics_interval_s=max(0.05, interval_s),
         max_label_values=cfg.metrics.max_label_values,
-        export_process=cfg.traces.export_process,
     )

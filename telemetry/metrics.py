@@ -1,30 +1,44 @@
-"""Serving metrics: counters, gauges and histograms with bounded label sets.
+"""Serving metrics on ``prometheus_client``: counters and histograms with bounded label sets,
+plus scrape-time families read from live state.
 
-The hot path records into plain Python objects (a dict lookup, a bisect, an add): the
-gateway observes an inter-token latency per relayed chunk, thousands a second, where the
-OpenTelemetry SDK's ``Histogram.record`` costs several microseconds. Scrape-time values
-(queue depths, engine state) come from collectors, functions called at render time. A
-``Registry`` renders Prometheus text (format 0.0.4) and hands its families to the OTLP
-metrics pusher (``telemetry.push``).
+A ``Registry`` owns one ``prometheus_client.CollectorRegistry`` (many gateways and backends
+share a test process, so never the library's global one). Instruments are the library's
+``Counter`` and ``Histogram``; scrape-time values (queue depths, engine state) come from
+collectors, functions called at every scrape that yield ``Family`` objects, turned into the
+library's metric families by ``_Families``. ``render()`` is the library's Prometheus text
+(format 0.0.4); ``collect()`` hands the same families to the OTLP pusher (``telemetry.push``).
 
-Cardinality is bounded per metric: once a label has seen ``max_label_values`` distinct
-values, further new values are recorded under ``_other`` (tenants are user-created; a
-scrape must not grow without bound).
+Cardinality is bounded per label: once a label of a metric has seen ``max_label_values``
+distinct values, further new values are recorded under ``_other`` (tenants are
+user-created; a scrape must not grow without bound). The hot path stays one dict lookup
+(label values → the library's child) plus the library's call: label tuples within the bound
+are cached; folded ones are not, so that cache is bounded too.
+
+The library's ``_created`` series are switched off (``disable_created_metrics``, a
+process-wide setting of the library): the exposition keeps the series it always had.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Generic, Literal, Protocol, TypeVar
+
+from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
+from prometheus_client import Counter as PromCounter
+from prometheus_client import Histogram as PromHistogram
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+__all__ = ["CONTENT_TYPE", "LATENCY_BUCKETS", "OTHER", "TOKEN_BUCKETS", "Counter", "Family",
+           "Histogram", "Kind", "Observer", "Registry", "pool_families", "priority_class"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OTHER = "_other"
 
-Kind = Literal["counter", "gauge", "histogram"]
+Kind = Literal["counter", "gauge"]
 Labels = tuple[tuple[str, str], ...]
 
 # Seconds. Queue time, TTFT and E2E span a millisecond to minutes; TPOT/ITL are per token.
@@ -34,47 +48,70 @@ TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075,
                  0.5, 1.0, 2.5)
 
 
-@dataclass(slots=True)
-class HistogramPoint:
-    bounds: tuple[float, ...]
-    counts: list[int]  # per bucket (not cumulative); the last is +Inf
-    sum: float = 0.0
-    count: int = 0
+class Observer(Protocol):
+    """One histogram series, kept by a caller that observes many values (per-token ITL)."""
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
+    def observe(self, value: float, /) -> None: ...
 
 
 @dataclass(slots=True)
 class Family:
-    """One metric with all its label sets, as collected at one instant."""
+    """A scrape-time counter or gauge with all its label sets, as read at one instant."""
 
     name: str
     kind: Kind
     help: str
-    samples: list[tuple[Labels, float]] = field(default_factory=list)  # counter / gauge
-    points: list[tuple[Labels, HistogramPoint]] = field(default_factory=list)  # histogram
-    unit: str = ""
+    samples: list[tuple[Labels, float]] = field(default_factory=list)
 
     def add(self, value: float, **labels: str) -> Family:
         self.samples.append((tuple(labels.items()), value))
         return self
 
+    def metric(self) -> Metric:
+        """The ``prometheus_client`` family: a counter's samples end in ``_total``, its
+        family name does not (the library's OpenMetrics naming; the text format adds it
+        back to HELP and TYPE)."""
+        if self.kind == "counter":
+            base = self.name.removesuffix("_total")
+            m = Metric(base, self.help, "counter")
+            sample = base + "_total"
+        else:
+            m = Metric(self.name, self.help, "gauge")
+            sample = self.name
+        for labels, value in self.samples:
+            m.add_sample(sample, dict(labels), value)  # an int stays an int in OTLP
+        return m
 
-class _Bounded:
-    """Maps label values to children, folding values past the bound into ``_other``."""
 
-    def __init__(self, name: str, label_names: Sequence[str], max_values: int) -> None:
-        self.name = name
+class _Families(Collector):
+    """The ``prometheus_client`` collector of a registry's scrape-time functions."""
+
+    def __init__(self) -> None:
+        self.functions: list[Callable[[], Iterable[Family]]] = []
+
+    def collect(self) -> Iterator[Metric]:
+        for fn in self.functions:
+            for fam in fn():
+                yield fam.metric()
+
+
+M = TypeVar("M", bound=MetricWrapperBase)
+
+
+class _Bounded(Generic[M]):
+    """Maps label values to the library's children, folding values past the bound into
+    ``_other``; ``_children`` caches only tuples that were not folded."""
+
+    def __init__(self, metric: M, label_names: Sequence[str], max_values: int) -> None:
+        self.metric = metric
         self.label_names = tuple(label_names)
         self.max_values = max_values
         self._seen: list[set[str]] = [set() for _ in self.label_names]
+        self._children: dict[tuple[str, ...], M] = {}
 
     def _key(self, values: tuple[str, ...]) -> tuple[str, ...]:
         if len(values) != len(self.label_names):
-            raise ValueError(f"{self.name} takes labels {self.label_names}, got {values}")
+            raise ValueError(f"{self.metric} takes labels {self.label_names}, got {values}")
         out = []
         for seen, value in zip(self._seen, values):
             if value not in seen:
@@ -84,141 +121,103 @@ class _Bounded:
             out.append(value)
         return tuple(out)
 
-    def _labels(self, key: tuple[str, ...]) -> Labels:
-        return tuple(zip(self.label_names, key))
+    def _child(self, values: tuple[str, ...]) -> M:
+        key = self._key(values)
+        child = self.metric.labels(*key) if key else self.metric
+        if key == values:  # folded tuples are not cached: memory stays bounded
+            self._children[values] = child
+        return child
 
 
-class Counter(_Bounded):
-    def __init__(self, name: str, help_text: str, label_names: Sequence[str],
-                 max_values: int) -> None:
-        super().__init__(name, label_names, max_values)
-        self.help = help_text
-        self.values: dict[tuple[str, ...], float] = {}
-        self._alias: dict[tuple[str, ...], tuple[str, ...]] = {}
-
+class Counter(_Bounded[PromCounter]):
     def inc(self, *labels: str, by: float = 1.0) -> None:
-        key = self._alias.get(labels)
-        if key is None:
-            key = self._key(labels)
-            if key == labels:  # values folded into _other are not cached: memory stays bounded
-                self._alias[labels] = key
-        self.values[key] = self.values.get(key, 0.0) + by
+        child = self._children.get(labels)
+        if child is None:
+            child = self._child(labels)
+        child.inc(by)
 
     def get(self, *labels: str) -> float:
-        return self.values.get(self._alias.get(labels, labels), 0.0)
+        """The value for ``labels`` (tests and diagnostics: it walks the metric's series)."""
+        want = dict(zip(self.label_names, labels))
+        for m in self.metric.collect():
+            for s in m.samples:
+                if s.name.endswith("_total") and s.labels == want:
+                    return s.value
+        return 0.0
 
-    def collect(self) -> Family:
-        fam = Family(self.name, "counter", self.help)
-        fam.samples = [(self._labels(k), v) for k, v in sorted(self.values.items())]
-        return fam
 
-
-class Histogram(_Bounded):
-    def __init__(self, name: str, help_text: str, label_names: Sequence[str],
-                 bounds: tuple[float, ...], max_values: int) -> None:
-        super().__init__(name, label_names, max_values)
-        self.help = help_text
-        self.bounds = bounds
-        self.points: dict[tuple[str, ...], HistogramPoint] = {}
-        self._alias: dict[tuple[str, ...], HistogramPoint] = {}
-
-    def child(self, *labels: str) -> HistogramPoint:
-        """The point for ``labels``; keep it to observe many values (per-token ITL)."""
-        point = self._alias.get(labels)
-        if point is None:
-            key = self._key(labels)
-            point = self.points.get(key)
-            if point is None:
-                point = self.points[key] = HistogramPoint(self.bounds,
-                                                          [0] * (len(self.bounds) + 1))
-            if key == labels:  # as Counter.inc: folded values are not cached
-                self._alias[labels] = point
-        return point
+class Histogram(_Bounded[PromHistogram]):
+    def child(self, *labels: str) -> Observer:
+        """The series for ``labels``; keep it to observe many values (per-token ITL)."""
+        child = self._children.get(labels)
+        if child is None:
+            child = self._child(labels)
+        return child
 
     def observe(self, value: float, *labels: str) -> None:
-        self.child(*labels).observe(value)
-
-    def collect(self) -> Family:
-        fam = Family(self.name, "histogram", self.help, unit="s")
-        fam.points = [(self._labels(k), HistogramPoint(p.bounds, list(p.counts), p.sum, p.count))
-                      for k, p in sorted(self.points.items())]
-        return fam
+        child = self._children.get(labels)
+        if child is None:
+            child = self._child(labels)
+        child.observe(value)
 
 
 class Registry:
     def __init__(self, max_label_values: int = 100) -> None:
+        disable_created_metrics()  # type: ignore[no-untyped-call]  # unannotated upstream
         self.max_label_values = max_label_values
-        self._instruments: list[Counter | Histogram] = []
-        self._collectors: list[Callable[[], Iterable[Family]]] = []
+        self.prometheus = CollectorRegistry()
+        self._families = _Families()
+        self.prometheus.register(self._families)
+        self._instruments: list[MetricWrapperBase] = []
         self.start_ns = time.time_ns()
 
     def counter(self, name: str, help_text: str, labels: Sequence[str] = ()) -> Counter:
-        c = Counter(name, help_text, labels, self.max_label_values)
-        self._instruments.append(c)
-        return c
+        """``name`` ends in ``_total`` (the library keeps it on the samples only)."""
+        metric = PromCounter(name, help_text, labels, registry=self.prometheus)
+        self._instruments.append(metric)
+        return Counter(metric, labels, self.max_label_values)
 
     def histogram(self, name: str, help_text: str, labels: Sequence[str] = (),
-                  bounds: tuple[float, ...] = LATENCY_BUCKETS) -> Histogram:
-        h = Histogram(name, help_text, labels, bounds, self.max_label_values)
-        self._instruments.append(h)
-        return h
+                  bounds: Sequence[float] = LATENCY_BUCKETS) -> Histogram:
+        metric = PromHistogram(name, help_text, labels, registry=self.prometheus,
+                               buckets=tuple(bounds))
+        self._instruments.append(metric)
+        return Histogram(metric, labels, self.max_label_values)
 
     def collector(self, fn: Callable[[], Iterable[Family]]) -> None:
         """``fn`` is called at every scrape/export for values read from live state."""
-        self._collectors.append(fn)
+        self._families.functions.append(fn)
 
-    def collect(self) -> list[Family]:
-        out = [i.collect() for i in self._instruments]
-        for fn in self._collectors:
-            out.extend(fn())
-        return out
+    def collect(self) -> list[Metric]:
+        """Every family as ``prometheus_client`` metrics, read now (the OTLP pusher's)."""
+        return list(self.prometheus.collect())
 
     def render(self) -> str:
-        return render(self.collect())
+        """Prometheus text exposition 0.0.4."""
+        return generate_latest(self.prometheus).decode()
+
+    def render_later(self) -> Callable[[], str]:
+        """``render`` in two halves: the scrape-time families are read now, on the thread
+        that owns the state they read (the event loop); the function returned formats them
+        with the library's instruments (thread-safe), and may run on a worker thread, so
+        that formatting a large scrape (~250 ms at 100 tenants) does not hold the loop."""
+        live = [fam.metric() for fn in self._families.functions for fam in fn()]
+        frozen = _Frozen(self._instruments, live)
+        return lambda: generate_latest(frozen).decode()  # any object with collect() will do
 
 
-def _esc(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+class _Frozen:
+    """A registry for one rendering: the instruments, read when it runs, and the
+    scrape-time families already read."""
 
+    def __init__(self, instruments: list[MetricWrapperBase], live: list[Metric]) -> None:
+        self.instruments = instruments
+        self.live = live
 
-def _fmt_labels(labels: Labels, extra: str = "") -> str:
-    parts = [f'{k}="{_esc(v)}"' for k, v in labels]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
-
-
-def _num(value: float) -> str:
-    if math.isnan(value):  # int(nan) raises: one NaN gauge must not fail the whole scrape
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if value == int(value) and abs(value) < 1e15:
-        return str(int(value))
-    return repr(float(value))
-
-
-def render(families: Iterable[Family]) -> str:
-    """Prometheus text exposition 0.0.4."""
-    out: list[str] = []
-    for fam in families:
-        help_text = fam.help.replace("\\", "\\\\").replace("\n", "\\n")
-        out.append(f"# HELP {fam.name} {help_text}")
-        out.append(f"# TYPE {fam.name} {fam.kind}")
-        if fam.kind != "histogram":
-            out += [f"{fam.name}{_fmt_labels(lb)} {_num(v)}" for lb, v in fam.samples]
-            continue
-        for lb, p in fam.points:
-            acc = 0
-            for bound, n in zip(p.bounds, p.counts):
-                acc += n
-                le = f'le="{bound}"'
-                out.append(f"{fam.name}_bucket{_fmt_labels(lb, le)} {acc}")
-            inf = 'le="+Inf"'
-            out.append(f"{fam.name}_bucket{_fmt_labels(lb, inf)} {p.count}")
-            out.append(f"{fam.name}_sum{_fmt_labels(lb)} {_num(p.sum)}")
-            out.append(f"{fam.name}_count{_fmt_labels(lb)} {p.count}")
-    return "\n".join(out) + "\n"
+    def collect(self) -> Iterator[Metric]:  # in the registry's order: families first
+        yield from self.live
+        for metric in self.instruments:
+            yield from metric.collect()
 
 
 class PoolCounts(Protocol):

@@ -184,7 +184,10 @@ async def state(request: Request) -> Response:
 
 @api
 async def metrics(request: Request) -> Response:
-    return Response(service_of(request).metrics.render(), media_type=CONTENT_TYPE)
+    """Live state read on the loop, the text formatted on a worker thread (as the
+    gateway's)."""
+    text = await asyncio.to_thread(service_of(request).metrics.registry.render_later())
+    return Response(text, media_type=CONTENT_TYPE)
 
 
 async def health(request: Request) -> Response:

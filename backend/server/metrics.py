@@ -13,8 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 from backend.engine.outputs import EngineState, OutputDelta
+from protocol.errors import ApiError
 from protocol.limits import ConnectionCounts
 from protocol.offload import PoolSnapshot
+from telemetry.genai import GenAiServer, operation_name
 from telemetry.metrics import (
     CONTENT_TYPE,
     LATENCY_BUCKETS,
@@ -25,7 +27,7 @@ from telemetry.metrics import (
     pool_families,
 )
 
-__all__ = ["CONTENT_TYPE", "PREFIX", "ServerMetrics"]
+__all__ = ["CONTENT_TYPE", "PREFIX", "ServerMetrics", "error_type"]
 
 PREFIX = "sluice_backend_"
 CUT_HELP = ("Requests and connections the HTTP layer cut or refused (protocol/server.py), by "
@@ -79,6 +81,7 @@ class ServerMetrics:
                              "Requests aborted because the client went away.")
         self.http_requests = c(PREFIX + "http_requests_total",
                                "HTTP responses by route and status.", ("route", "status"))
+        self.genai = GenAiServer(r)  # the GenAI semantic conventions' (telemetry/genai.py)
         for counter in (self.prompt_tokens, self.cached_tokens, self.generation_tokens,
                         self.disconnects):
             counter.inc(by=0)  # unlabelled: shown as 0 before the first request
@@ -105,11 +108,15 @@ class ServerMetrics:
         self.http_requests.inc(route, str(status))
 
     def observe_request(self, tenant: str, model: str, priority_class: str, outcome: str,
-                        delta: OutputDelta | None, received: float,
-                        ended: float) -> None:
+                        delta: OutputDelta | None, received: float, ended: float, *,
+                        kind: str, error_type: str) -> None:
         """One generation request, once it has ended however it ended. ``received`` and
-        ``ended`` are on the engine's clock; ``delta`` is its final output, if it ran."""
+        ``ended`` are on the engine's clock; ``delta`` is its final output, if it ran;
+        ``kind``: chat | completion; ``error_type``: empty for a success."""
         self.requests.inc(tenant, model, outcome)
+        operation = operation_name(kind)
+        e2e = ended - received
+        self.genai.ended(operation, model, e2e, error_type)
         if delta is None:
             return
         self.finished.inc(delta.finish_reason or "unknown")
@@ -130,8 +137,10 @@ class ServerMetrics:
         times = m.token_times
         if not times:
             return
-        self.ttft.observe(times[0] - received, *labels)
+        ttft = times[0] - received
+        self.ttft.observe(ttft, *labels)
         n = len(times)
+        tpot = None
         if n >= 2:
             tpot = (times[-1] - times[0]) / (n - 1)
             self.engine_tpot.observe(tpot)
@@ -145,7 +154,8 @@ class ServerMetrics:
         if m.finished_time is not None:
             self.engine_e2e.observe(times[-1] - m.arrival_time)
         if outcome == "success":
-            self.e2e.observe(ended - received, *labels)
+            self.e2e.observe(e2e, *labels)
+            self.genai.answered(operation, model, ttft, tpot)
 
     def render(self) -> str:
         return self.registry.render()
@@ -203,3 +213,13 @@ def _tokenize(pool: PoolSnapshot, trims: int) -> Iterator[Family]:
                              reasons=("tokenize_concurrency", "tokenizer_busy"))
     yield Family(PREFIX + "memory_trims_total", "counter", "Freed heap handed back to the "
                  "system after requests with a body of 1 MiB or more.").add(trims)
+
+
+def error_type(outcome: str, error: ApiError | None) -> str:
+    """``error.type`` of a request: empty for a success, else the error's code (its type
+    when it has none), as the request's span says, else the outcome (``cancelled``)."""
+    if outcome == "success":
+        return ""
+    if error is not None:
+        return error.code or error.type
+    return outcome

@@ -51,7 +51,7 @@ from telemetry import Telemetry, extract, priority_class
 
 from .errors import from_model_file_error
 from .logprobs import LogprobFormat
-from .metrics import ServerMetrics
+from .metrics import ServerMetrics, error_type
 from .sampling import sampling_params
 from .tracing import NO_TENANT, RequestRecord, emit_spans
 
@@ -315,8 +315,10 @@ class ModelService:
             del self._records[rec.p.request_id]
         ended = rec.ended if rec.ended is not None else self.clock()
         prio = priority_class(rec.p.priority) if rec.p is not None else priority_class(0)
-        self.metrics.observe_request(rec.tenant, self.model_name, prio, rec.outcome,
-                                     rec.delta, rec.received, ended)
+        outcome = rec.outcome
+        self.metrics.observe_request(rec.tenant, self.model_name, prio, outcome, rec.delta,
+                                     rec.received, ended, kind=rec.kind,
+                                     error_type=error_type(outcome, rec.error))
         if self.telemetry.tracing:
             try:
                 emit_spans(self.tracer, rec, self.span_versions, self.clock)

@@ -6,7 +6,9 @@ monotonic timestamps. ``emit_spans`` then creates the spans retroactively, on th
 thread, with explicit start and end times, so the engine's step loop pays nothing but the
 timestamp appends it makes anyway:
 
-    engine.request (SERVER, child of the incoming traceparent)
+    chat sluice-tiny (SERVER, child of the incoming traceparent; named
+    │                 "{gen_ai.operation.name} {gen_ai.request.model}" as the GenAI
+    │                 semantic conventions say)
     ├── engine.queue    arrival in the engine → first scheduled
     ├── engine.prefill  first scheduled → first token; an event per prefill chunk
     ├── engine.decode   first token → finish; preemption recompute chunks as events
@@ -31,7 +33,7 @@ from protocol.errors import ApiError
 if TYPE_CHECKING:
     from .service import Prepared
 
-REQUEST = "engine.request"
+PROVIDER = "sluice"  # gen_ai.provider.name
 QUEUE = "engine.queue"
 PREFILL = "engine.prefill"
 PREFILL_CHUNK = "engine.prefill.chunk"
@@ -78,18 +80,31 @@ def _error_type(err: ApiError) -> str:
     return err.code or err.type
 
 
+def operation(rec: RequestRecord) -> str:
+    """``gen_ai.operation.name``."""
+    return "chat" if rec.kind == "chat" else "text_completion"
+
+
+def span_name(rec: RequestRecord) -> str:
+    """``{gen_ai.operation.name} {gen_ai.request.model}``; the operation alone when the
+    request was refused before its model was accepted (a client's string does not name
+    spans)."""
+    return f"{operation(rec)} {rec.p.model}" if rec.p is not None else operation(rec)
+
+
 def request_attributes(rec: RequestRecord, versions: dict[str, Any]) -> dict[str, Any]:
-    """``engine.request``'s attributes (GenAI names where they exist, ``sluice.*`` else)."""
+    """The request span's attributes (GenAI names where they exist, ``sluice.*`` else)."""
     attrs: dict[str, Any] = {
         "sluice.request.id": rec.request_id, "sluice.tenant.id": rec.tenant,
-        "gen_ai.operation.name": "chat" if rec.kind == "chat" else "text_completion",
+        "gen_ai.operation.name": operation(rec), "gen_ai.provider.name": PROVIDER,
         "http.response.status_code": rec.status, "sluice.outcome": rec.outcome, **versions,
     }
     if rec.requested_model is not None:
         attrs["gen_ai.request.model"] = rec.requested_model
     p = rec.p
     if p is not None:
-        attrs.update({"sluice.priority": p.priority, "sluice.stream": p.stream,
+        attrs.update({"sluice.priority": p.priority, "gen_ai.request.stream": p.stream,
+                      "gen_ai.response.id": p.response_id,
                       "gen_ai.request.max_tokens": p.params.max_tokens})
         if p.temperature is not None:
             attrs["gen_ai.request.temperature"] = p.temperature
@@ -99,13 +114,15 @@ def request_attributes(rec: RequestRecord, versions: dict[str, Any]) -> dict[str
     if d is not None:
         attrs.update({"gen_ai.usage.input_tokens": d.num_prompt_tokens,
                       "gen_ai.usage.output_tokens": d.num_output_tokens,
-                      "gen_ai.usage.cached_tokens": d.num_cached_tokens})
+                      "gen_ai.usage.cache_read.input_tokens": d.num_cached_tokens})
         if d.finish_reason:
             attrs["gen_ai.response.finish_reasons"] = [d.finish_reason]
         m = d.metrics
         if m is not None:
             if m.first_token_time is not None:
-                attrs["sluice.ttft_ms"] = round((m.first_token_time - rec.received) * 1000, 3)
+                ttft = m.first_token_time - rec.received
+                attrs["sluice.ttft_ms"] = round(ttft * 1000, 3)
+                attrs["gen_ai.response.time_to_first_chunk"] = ttft
             if m.queue_time is not None:
                 attrs["sluice.queue_ms"] = round(m.queue_time * 1000, 3)
     if rec.error is not None:
@@ -126,7 +143,7 @@ def emit_spans(tracer: trace.Tracer, rec: RequestRecord, versions: dict[str, Any
     end = rec.ended if rec.ended is not None else clock()
     if m is not None and m.finished_time is not None:
         end = max(end, m.finished_time)
-    root = tracer.start_span(REQUEST, rec.parent, SpanKind.SERVER,
+    root = tracer.start_span(span_name(rec), rec.parent, SpanKind.SERVER,
                              request_attributes(rec, versions), start_time=ns(rec.received))
     if rec.error is not None and rec.error.status >= 500:
         root.set_status(StatusCode.ERROR, rec.error.message[:200])

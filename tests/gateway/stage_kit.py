@@ -170,12 +170,14 @@ def reply(client: Client, metrics: GatewayMetrics | None = None,
 
 
 class Spans(NoTrace):
-    """A recording trace for the stage tests: each ended phase as (name, attributes)."""
+    """A recording trace for the stage tests: each ended phase as (name, attributes), and
+    each event on the request span (auth, relay, settle) as (name, attributes)."""
 
     recording = True
 
     def __init__(self) -> None:
         self.ended: list[tuple[str, dict[str, Any]]] = []
+        self.events: list[tuple[str, dict[str, Any]]] = []
         self.attrs: dict[str, Any] = {}
 
     def start(self, name: str, attributes: dict[str, Any] | None = None) -> Any:
@@ -185,6 +187,9 @@ class Spans(NoTrace):
         if span is not None:
             self.ended.append((span[0], {**span[1], **attributes}))
 
+    def event(self, name: str, **attributes: Any) -> None:
+        self.events.append((name, attributes))
+
     def set(self, **attributes: Any) -> None:
         self.attrs.update(attributes)
 
@@ -192,4 +197,9 @@ class Spans(NoTrace):
         return [] if span is None else [(b"traceparent", b"00-test")]
 
     def named(self, name: str) -> list[dict[str, Any]]:
+        """The ended phase spans called ``name``, by their attributes."""
         return [attrs for n, attrs in self.ended if n == name]
+
+    def events_named(self, name: str) -> list[dict[str, Any]]:
+        """The request span's events called ``name``, by their attributes."""
+        return [attrs for n, attrs in self.events if n == name]

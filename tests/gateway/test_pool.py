@@ -96,8 +96,8 @@ def test_a_5xx_is_retried_on_the_other_server_and_opens_its_breaker(
     assert len(a.bodies) == 2 and len(b.bodies) == 4
     assert metric(gw, 'sluice_gateway_breaker_state{model="m",upstream="' + a.url) == 2
     assert metric(gw, 'sluice_gateway_retries_total{model="m",outcome="retried"}') == 2
-    assert metric(gw, 'sluice_gateway_upstream_failures_total{model="m",upstream="'
-                  + a.url + '",reason="http_500"}') == 2
+    assert metric(gw, 'sluice_gateway_upstream_failures_total{model="m",reason="http_500",'
+                  'upstream="' + a.url + '"}') == 2
     b.mode = "500"  # b fails too: retried nowhere (a is open), its error goes out
     assert post(gw).status_code == 502
     assert post(gw).status_code == 502
@@ -137,8 +137,8 @@ def test_a_dead_server_is_routed_around(fakes: tuple[FakeBackend, FakeBackend]) 
         a.__exit__()  # connection refused from now on
         codes = [post(g).status_code for _ in range(5)]
         assert codes == [200] * 5
-        assert metric(g, 'sluice_gateway_upstream_failures_total{model="m",upstream="'
-                      + a.url + '",reason="connect"}') == 2
+        assert metric(g, 'sluice_gateway_upstream_failures_total{model="m",reason="connect",'
+                      'upstream="' + a.url + '"}') == 2
         ready = httpx.get(g.url + "/readyz").json()
         assert ready["status"] == "ready" and ready["checks"]["m"]["detail"].startswith("1/2")
 
@@ -160,16 +160,23 @@ def test_retries_and_breaker_moves_are_on_the_trace(
                                   headers={**auth(), "x-request-id": rid})
                 assert resp.status_code == 200
 
-            def upstream_spans(rid: str, spans: list[Any]) -> list[Any]:
-                root = [s for s in spans if s.name == "sluice.request"
+            def request_span(rid: str, spans: list[Any]) -> list[Any]:
+                return [s for s in spans if s.kind == 2  # SERVER: the request span
                         and s.attributes.get("sluice.request.id") == rid]
+
+            def upstream_spans(rid: str, spans: list[Any]) -> list[Any]:
+                root = request_span(rid, spans)
                 return [] if not root else sorted(
                     (s for s in spans if s.parent_span_id == root[0].span_id
                      and s.name in ("sluice.upstream", "sluice.retry.backoff")),
                     key=lambda s: s.start_ns)
 
             spans = rx.wait_for(lambda sp: len(upstream_spans("second", sp)) == 3, timeout=15)
+    assert request_span("second", spans)[0].name == "chat m"
     first, backoff, second = upstream_spans("second", spans)
+    assert first.kind == second.kind == 3  # CLIENT: each attempt is its own call
+    # the server that answered was handed the second attempt's span as its parent
+    assert b.headers[-1]["traceparent"].split("-")[1:3] == [second.trace_id, second.span_id]
     assert first.attributes["sluice.upstream.member"] == a.url
     assert first.attributes["sluice.attempt"] == 1
     assert first.attributes["error.type"] == "http_500"

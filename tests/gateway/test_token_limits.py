@@ -298,10 +298,10 @@ async def test_a_tenant_over_its_tokenizing_share_gets_429_while_another_proceed
     other = await prepare(local.resolver, chat(long_text), who("b"))  # b is not held up
     assert other.prompt_tokens > 5_000 and not first.done()
     metrics = local.metrics.render()
-    assert 'sluice_gateway_tokenize_refused_total{reason="tokenize_concurrency"} 1' in metrics
-    assert 'sluice_gateway_tokenize_refused_total{reason="tokenizer_busy"} 0' in metrics
-    assert "sluice_gateway_tokenize_running 1" in metrics  # a's, held
-    assert "sluice_gateway_memory_trims_total 0" in metrics
+    assert 'sluice_gateway_tokenize_refused_total{reason="tokenize_concurrency"} 1.0' in metrics
+    assert 'sluice_gateway_tokenize_refused_total{reason="tokenizer_busy"} 0.0' in metrics
+    assert "sluice_gateway_tokenize_running 1.0" in metrics  # a's, held
+    assert "sluice_gateway_memory_trims_total 0.0" in metrics
     blocking.release.set()
     assert (await first).prompt_tokens == other.prompt_tokens
 
@@ -399,8 +399,8 @@ def test_a_large_body_is_parsed_in_the_worker_process_never_on_the_loop(
         snap = g.gateway.parse_pool.snapshot()
         assert (snap.running, snap.waiting, snap.tenants) == (0, 0, 0)
         metrics = httpx.get(g.url + "/metrics").text
-        assert "sluice_gateway_parse_running 0" in metrics
-        assert 'sluice_gateway_parse_refused_total{reason="large_bodies_busy"} 0' in metrics
+        assert "sluice_gateway_parse_running 0.0" in metrics
+        assert 'sluice_gateway_parse_refused_total{reason="large_bodies_busy"} 0.0' in metrics
     assert parsed_here and max(parsed_here) < LARGE_BODY_BYTES  # only the small one here
 
 

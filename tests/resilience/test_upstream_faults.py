@@ -82,9 +82,9 @@ def test_upstream_killed_mid_stream(replicas: list[Replica]) -> None:
         assert a.state()["generated_tokens"] == served + 4
         assert ma.breaker.state == "closed" and ma.breaker.transitions["closed"] == 1
         metrics = httpx.get(gw.url + "/metrics").text
-        assert f'sluice_gateway_breaker_state{{model="m",upstream="{a.url}"}} 0' in metrics
-        assert (f'sluice_gateway_upstream_failures_total{{model="m",upstream="{a.url}",'
-                f'reason="disconnected"}} 2') in metrics
+        assert f'sluice_gateway_breaker_state{{model="m",upstream="{a.url}"}} 0.0' in metrics
+        assert (f'sluice_gateway_upstream_failures_total{{model="m",reason="disconnected",'
+                f'upstream="{a.url}"}} 2.0') in metrics
         assert_no_leaks(gw, replicas, idle)
 
 

@@ -37,7 +37,7 @@ def receiver() -> Iterator[OtlpReceiver]:
 @pytest.fixture(scope="module")
 def traced(receiver: OtlpReceiver, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
     ensure_tiny_model()
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp:  # the standard environment alone says where
         mp.setenv("OTEL_TRACES_EXPORTER", "otlp")
         mp.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
         mp.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
@@ -53,9 +53,10 @@ def traced(receiver: OtlpReceiver, tmp_path_factory: pytest.TempPathFactory) -> 
 
 def tree(rx: OtlpReceiver, request_id: str, children: tuple[str, ...]) -> tuple[
         ReceivedSpan, dict[str, ReceivedSpan]]:
-    """The request's ``engine.request`` span and its children by name, once all arrived."""
+    """The request's span (SERVER, named ``chat sluice-tiny`` etc.) and its children by
+    name, once all arrived."""
     def find(spans: list[ReceivedSpan]) -> ReceivedSpan | None:
-        return next((s for s in spans if s.name == "engine.request"
+        return next((s for s in spans if s.kind == SERVER
                      and s.attributes.get("sluice.request.id") == request_id), None)
 
     def ready(spans: list[ReceivedSpan]) -> bool:
@@ -69,8 +70,10 @@ def tree(rx: OtlpReceiver, request_id: str, children: tuple[str, ...]) -> tuple[
     return root, {s.name: s for s in spans if s.parent_span_id == root.span_id}
 
 
-def stream_completion(url: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
-    """A streamed completion; returns its usage (include_usage)."""
+def stream_completion(url: str, body: dict[str, Any], headers: dict[str, str],
+                      ids: list[str] | None = None) -> dict[str, Any]:
+    """A streamed completion; returns its usage (include_usage), and appends each chunk's
+    ``id`` to ``ids`` if given."""
     usage: dict[str, Any] | None = None
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers,
@@ -78,7 +81,10 @@ def stream_completion(url: str, body: dict[str, Any], headers: dict[str, str]) -
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: {"):
-                usage = json.loads(line[6:]).get("usage") or usage
+                event = json.loads(line[6:])
+                usage = event.get("usage") or usage
+                if ids is not None:
+                    ids.append(event["id"])
     assert usage is not None
     return usage
 
@@ -93,25 +99,40 @@ def test_a_streamed_completion_is_traced_under_the_callers_span(
     prompt = list(range(200, 240))  # 40 tokens, in no earlier request: nothing cached
     body = {"model": model["id"], "prompt": prompt, "max_tokens": 6, "ignore_eos": True,
             "temperature": 0.5, "top_p": 0.9, "seed": 7, "priority": 2}
+    ids: list[str] = []
     usage = stream_completion(traced.url, body, {
-        "traceparent": TRACEPARENT, "x-sluice-tenant": "acme", "x-request-id": "trace-1"})
+        "traceparent": TRACEPARENT, "x-sluice-tenant": "acme", "x-request-id": "trace-1"}, ids)
+    response_id = ids[0]
+    assert set(ids) == {response_id}
     root, kids = tree(receiver, "trace-1", PHASES)
 
     assert (root.trace_id, root.parent_span_id, root.kind) == (PARENT_TRACE, PARENT_SPAN, SERVER)
+    # GenAI semantic conventions: "{gen_ai.operation.name} {gen_ai.request.model}"
+    assert root.name == f"text_completion {model['id']}"
     assert root.status_code == STATUS_UNSET
-    assert root.resource["service.name"] == "sluice-backend"
+    res = root.resource
+    assert res["service.name"] == "sluice-backend"
+    assert res["telemetry.sdk.name"] == "opentelemetry"
+    assert res["telemetry.sdk.language"] == "python"
+    assert res["service.version"] and res["service.instance.id"]
+    assert all(k.resource == res for k in kids.values())
     assert root.scope == "sluice.backend"
     a = root.attributes
     assert a["sluice.tenant.id"] == "acme"
     assert a["sluice.priority"] == 2
     assert a["gen_ai.operation.name"] == "text_completion"
+    assert a["gen_ai.provider.name"] == "sluice"
     assert a["gen_ai.request.model"] == a["gen_ai.response.model"] == model["id"]
     assert a["gen_ai.request.max_tokens"] == 6
+    assert a["gen_ai.request.stream"] is True and "sluice.stream" not in a
+    assert a["gen_ai.response.id"] == response_id
     assert a["gen_ai.request.temperature"] == pytest.approx(0.5)
     assert a["gen_ai.request.top_p"] == pytest.approx(0.9)
     assert a["gen_ai.usage.input_tokens"] == usage["prompt_tokens"] == 40
     assert a["gen_ai.usage.output_tokens"] == usage["completion_tokens"] == 6
-    assert a["gen_ai.usage.cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
+    assert a["gen_ai.usage.cache_read.input_tokens"] == \
+        usage["prompt_tokens_details"]["cached_tokens"]
+    assert "gen_ai.usage.cached_tokens" not in a
     assert a["gen_ai.response.finish_reasons"] == ["length"]
     assert (a["sluice.model.revision"], a["sluice.tokenizer"], a["sluice.engine"]) == (
         model["revision"], model["tokenizer"], model["engine"])
@@ -120,6 +141,8 @@ def test_a_streamed_completion_is_traced_under_the_callers_span(
     assert a["sluice.outcome"] == "success"
     assert a["sluice.ttft_ms"] > 0 and a["sluice.queue_ms"] >= 0
     assert a["sluice.ttft_ms"] >= a["sluice.queue_ms"]
+    assert a["gen_ai.response.time_to_first_chunk"] == pytest.approx(
+        a["sluice.ttft_ms"] / 1000, abs=1e-3)
 
     queue, prefill, decode = (kids[n] for n in PHASES)
     for span in (queue, prefill, decode):
@@ -153,8 +176,16 @@ def test_a_chat_without_traceparent_is_a_root_span(traced: Backend,
     assert r.status_code == 200
     root, kids = tree(receiver, "chat-1", PHASES)
     assert root.parent_span_id is None and root.trace_id != PARENT_TRACE
+    served = resolved(traced.url)["id"]
+    assert root.name == f"chat {served}"  # the served model: the body named none
     a = root.attributes
     assert a["gen_ai.operation.name"] == "chat" and a["sluice.tenant.id"] == "-"
+    assert a["gen_ai.provider.name"] == "sluice"
+    assert a["gen_ai.response.model"] == r.json()["model"] == served
+    assert a["gen_ai.response.id"] == r.json()["id"]
+    assert a["gen_ai.request.stream"] is False
+    assert a["gen_ai.request.max_tokens"] == 3
+    assert a["gen_ai.response.finish_reasons"] == [r.json()["choices"][0]["finish_reason"]]
     assert a["gen_ai.usage.output_tokens"] == r.json()["usage"]["completion_tokens"] == 3
     assert "gen_ai.request.temperature" not in a and "gen_ai.request.model" not in a
     assert all(k.trace_id == root.trace_id for k in kids.values())
@@ -170,6 +201,7 @@ async def test_a_client_that_leaves_mid_stream_yields_engine_abort(
     root, kids = await asyncio.to_thread(tree, receiver, "cancel-1", (
         "engine.queue", "engine.prefill", "engine.decode", "engine.abort"))
     assert (root.trace_id, root.parent_span_id) == (PARENT_TRACE, PARENT_SPAN)
+    assert root.name.startswith("chat ")
     a = root.attributes
     assert a["sluice.outcome"] == "cancelled"
     assert a["gen_ai.response.finish_reasons"] == ["abort"]
@@ -186,7 +218,7 @@ async def test_a_client_that_leaves_mid_stream_yields_engine_abort(
                  outcome="cancelled") == 1
 
 
-def test_a_rejected_request_gets_an_engine_request_span_with_the_error(
+def test_a_rejected_request_gets_a_request_span_with_the_error(
         traced: Backend, receiver: OtlpReceiver) -> None:
     r = httpx.post(traced.url + "/v1/completions", timeout=10,
                    headers={"traceparent": TRACEPARENT, "x-request-id": "bad-1",
@@ -197,7 +229,10 @@ def test_a_rejected_request_gets_an_engine_request_span_with_the_error(
     root, kids = tree(receiver, "bad-1", ())
     assert (root.trace_id, root.parent_span_id) == (PARENT_TRACE, PARENT_SPAN)
     assert kids == {}
+    assert root.name == "text_completion"  # refused before a model was accepted
     a = root.attributes
+    assert a["gen_ai.operation.name"] == "text_completion"
+    assert "gen_ai.response.id" not in a  # no response was made
     assert a["http.response.status_code"] == 400
     assert a["error.type"] == (err["code"] or err["type"])
     assert a["sluice.outcome"] == "invalid" and a["sluice.tenant.id"] == "acme"

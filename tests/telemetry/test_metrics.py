@@ -1,21 +1,35 @@
-"""The metrics registry: Prometheus text (parsed back with prometheus_client), the label
-cardinality bound, and the OTLP push through the SDK exporters to the test receiver."""
+"""The metrics registry on prometheus_client: its Prometheus text (parsed back with the
+library's parser), the label cardinality bound, the conversion into the SDK's MetricsData and
+the OTLP push through the SDK exporters to the test receiver (HTTP and gRPC)."""
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
-from opentelemetry.sdk.metrics.export import AggregationTemporality, Gauge, Histogram, Sum
+from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
+    OTLPMetricExporter as GrpcMetricExporter,
+)
+from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+from opentelemetry.sdk.metrics.export import (
+    AggregationTemporality,
+    Gauge,
+    Histogram,
+    MetricExporter,
+    Sum,
+)
+from opentelemetry.sdk.resources import Resource
 from prometheus_client.parser import text_string_to_metric_families
 
-from telemetry import Registry, Telemetry, priority_class, record_phase
-from telemetry.bench.otlp_sink import OtlpReceiver, ReceivedMetric
+from telemetry import Registry, Telemetry, priority_class
+from telemetry.bench.otlp_sink import OtlpGrpcReceiver, OtlpReceiver, ReceivedMetric
+from telemetry.genai import DURATION_BUCKETS, TOKEN_USAGE_BUCKETS, GenAiClient, GenAiServer
 from telemetry.metrics import OTHER, Family
-from telemetry.push import metrics_data
+from telemetry.push import MetricsPusher, metrics_data
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -140,6 +154,10 @@ def test_cardinality_is_bounded_and_totals_are_conserved() -> None:
     assert samples[("sluice_t_seconds_bucket", lb(tenant=OTHER, le="1.0"))] == 7
 
 
+def series(samples: Samples, name: str) -> dict[frozenset[tuple[str, str]], float]:
+    return {labels: v for (n, labels), v in samples.items() if n == name}
+
+
 def test_cardinality_bound_also_bounds_memory() -> None:
     r = Registry(max_label_values=3)
     c = r.counter("sluice_m_total", "M.", ["tenant", "model"])
@@ -147,11 +165,13 @@ def test_cardinality_bound_also_bounds_memory() -> None:
     for i in range(5000):
         c.inc(f"tenant-{i}", "m")
         h.observe(0.01, f"tenant-{i}")
-    assert len(c.values) == 4 and len(h.points) == 4
+    _, samples = parse(r.render())
+    counted = series(samples, "sluice_m_total")
+    assert len(counted) == 4 and sum(counted.values()) == 5000
+    hist = series(samples, "sluice_m_seconds_count")
+    assert len(hist) == 4 and sum(hist.values()) == 5000
     # the per-call caches only hold values within the bound
-    assert len(c._alias) <= 3 and len(h._alias) <= 3
-    assert sum(c.values.values()) == 5000
-    assert sum(p.count for p in h.points.values()) == 5000
+    assert len(c._children) <= 3 and len(h._children) <= 3
 
 
 def test_each_label_is_bounded_on_its_own() -> None:
@@ -160,9 +180,29 @@ def test_each_label_is_bounded_on_its_own() -> None:
     for t in ("a", "b", "c"):
         for m in ("m1", "m2", "m3"):
             c.inc(t, m)
-    assert c.values == {("a", "m1"): 1, ("a", "m2"): 1, ("a", OTHER): 1,
-                        ("b", "m1"): 1, ("b", "m2"): 1, ("b", OTHER): 1,
-                        (OTHER, "m1"): 1, (OTHER, "m2"): 1, (OTHER, OTHER): 1}
+    _, samples = parse(r.render())
+    assert series(samples, "sluice_x_total") == {
+        lb(tenant=t, model=m): 1 for t in ("a", "b", OTHER) for m in ("m1", "m2", OTHER)}
+    assert c.get("a", "m1") == 1 and c.get(OTHER, OTHER) == 1
+
+
+def test_the_exposition_keeps_its_series_names() -> None:
+    """prometheus_client's naming: no _created series, counters named with _total in HELP,
+    TYPE and the samples, le as Go formats it, each Registry on its own CollectorRegistry."""
+    r = Registry()
+    r.counter("sluice_a_total", "A.").inc()
+    r.histogram("sluice_b_seconds", "B.", bounds=(0.001, 1.0, 2.5)).observe(0.5)
+    r.collector(lambda: [Family("sluice_c_total", "counter", "C.").add(2, k="v")])
+    text = r.render()
+    assert "_created" not in text
+    for line in ("# HELP sluice_a_total A.", "# TYPE sluice_a_total counter",
+                 "# TYPE sluice_c_total counter", 'sluice_c_total{k="v"} 2.0',
+                 'sluice_b_seconds_bucket{le="0.001"} 0.0', 'sluice_b_seconds_bucket{le="1.0"} 1.0',
+                 'sluice_b_seconds_bucket{le="+Inf"} 1.0'):
+        assert line in text.splitlines(), line
+    other = Registry()  # the same names in another registry: no clash, no shared values
+    other.counter("sluice_a_total", "A.")
+    assert parse(other.render())[1][("sluice_a_total", lb())] == 0
 
 
 def test_collectors_are_called_at_every_render() -> None:
@@ -203,19 +243,22 @@ def test_metrics_data_builds_sdk_metrics() -> None:
     r.counter("sluice_unused_total", "Never incremented.")
     r.collector(lambda: [Family("sluice_depth", "gauge", "Depth.").add(4, upstream="u1"),
                          Family("sluice_empty", "gauge", "No samples.")])
-    md = metrics_data(r.collect(), {"service.name": "svc"}, start_ns=123, scope="sluice.test",
-                      version="1.2")
+    md = metrics_data(r.collect(), Resource({"service.name": "svc"}), start_ns=123,
+                      scope="sluice.test", version="1.2")
     [rm] = md.resource_metrics
     assert rm.resource.attributes["service.name"] == "svc"
     [sm] = rm.scope_metrics
     assert (sm.scope.name, sm.scope.version) == ("sluice.test", "1.2")
     by_name = {m.name: m for m in sm.metrics}
-    assert set(by_name) == {"sluice_requests", "sluice_ttft_seconds", "sluice_depth"}
+    # an unlabelled counter is 0 from the start (prometheus_client); an empty family is left out
+    assert set(by_name) == {"sluice_requests", "sluice_ttft_seconds", "sluice_depth",
+                            "sluice_unused"}
+    assert [p.value for p in by_name["sluice_unused"].data.data_points] == [0]
 
     req = by_name["sluice_requests"]
     assert isinstance(req.data, Sum) and req.data.is_monotonic
     assert req.data.aggregation_temporality is AggregationTemporality.CUMULATIVE
-    assert req.description == "Requests served."
+    assert req.description == "Requests served." and req.unit == ""
     assert {(tuple(sorted(p.attributes.items())), p.value) for p in req.data.data_points} == {
         ((("model", "m1"), ("tenant", "a")), 3), ((("model", "m2"), ("tenant", "b")), 0.5)}
     assert {p.start_time_unix_nano for p in req.data.data_points} == {123}
@@ -244,16 +287,106 @@ def test_metrics_data_builds_sdk_metrics() -> None:
         assert not p.HasField("min") and not p.HasField("max")
 
 
+def genai_registry() -> Registry:
+    r = Registry()
+    server, client = GenAiServer(r), GenAiClient(r)
+    server.ended("chat", "m", 0.05, "")
+    server.ended("chat", "m", 3.0, "rate_limit_exceeded")
+    server.ended("chat", "", 0.001, "invalid_api_key")  # refused before the model was known
+    server.answered("chat", "m", 0.02, 0.03)
+    client.used("text_completion", "m", 100, 7)
+    return r
+
+
+def test_genai_metrics_go_out_under_their_otel_names() -> None:
+    md = metrics_data(genai_registry().collect(), Resource({}), 1, "s", "1")
+    by_name = {m.name: m for m in md.resource_metrics[0].scope_metrics[0].metrics}
+    assert set(by_name) == {"gen_ai.server.request.duration",
+                            "gen_ai.server.time_to_first_token",
+                            "gen_ai.server.time_per_output_token", "gen_ai.client.token.usage"}
+    duration = by_name["gen_ai.server.request.duration"]
+    assert duration.unit == "s" and isinstance(duration.data, Histogram)
+    points = {p.attributes.get("error.type"): p for p in duration.data.data_points}
+    base = {"gen_ai.operation.name": "chat", "gen_ai.provider.name": "sluice"}
+    assert dict(points[None].attributes) == {**base, "gen_ai.request.model": "m"}
+    assert dict(points["rate_limit_exceeded"].attributes) == {
+        **base, "gen_ai.request.model": "m", "error.type": "rate_limit_exceeded"}
+    assert dict(points["invalid_api_key"].attributes) == {**base, "error.type": "invalid_api_key"}
+    assert list(points[None].explicit_bounds) == list(DURATION_BUCKETS)
+    assert sum(points[None].bucket_counts) == 1 and points[None].bucket_counts[3] == 1  # 0.04 < 0.05 ≤ 0.08
+    usage = by_name["gen_ai.client.token.usage"]
+    assert usage.unit == "{token}" and isinstance(usage.data, Histogram)
+    tokens = {p.attributes["gen_ai.token.type"]: p for p in usage.data.data_points}
+    assert tokens["input"].sum == 100 and tokens["output"].sum == 7
+    assert list(tokens["input"].explicit_bounds) == [float(b) for b in TOKEN_USAGE_BUCKETS]
+    assert tokens["input"].attributes["gen_ai.operation.name"] == "text_completion"
+
+
 def latest(metrics: list[ReceivedMetric], name: str) -> ReceivedMetric | None:
     found = [m for m in metrics if m.name == name]
     return found[-1] if found else None
 
 
-def test_telemetry_pushes_the_registry_over_otlp() -> None:
+def http_exporter(rx: OtlpReceiver | OtlpGrpcReceiver) -> MetricExporter:
+    return OTLPMetricExporter(endpoint=rx.endpoint + "/v1/metrics", timeout=5)
+
+
+def grpc_exporter(rx: OtlpReceiver | OtlpGrpcReceiver) -> MetricExporter:
+    return GrpcMetricExporter(endpoint=rx.endpoint, insecure=True, timeout=5)
+
+
+@pytest.mark.parametrize(("receiver", "exporter"), [
+    (OtlpReceiver, http_exporter), (OtlpGrpcReceiver, grpc_exporter)], ids=["http", "grpc"])
+def test_the_pusher_sends_the_registry_over_otlp(
+        receiver: type[OtlpReceiver | OtlpGrpcReceiver],
+        exporter: Callable[[OtlpReceiver | OtlpGrpcReceiver], MetricExporter]) -> None:
+    r = genai_registry()
+    r.counter("sluice_things_total", "Things.", ["kind"]).inc("a", by=5)
+    with receiver() as rx:
+        pusher = MetricsPusher(r, exporter(rx), 0.05, Resource({"service.name": "svc-push"}),
+                               "svc.push", "1.0")
+        try:
+            def arrived(ms: list[ReceivedMetric]) -> bool:
+                return all(latest(ms, n) is not None for n in (
+                    "sluice_things", "gen_ai.server.request.duration",
+                    "gen_ai.client.token.usage"))
+
+            metrics = rx.wait_for_metrics(arrived, timeout=10)
+        finally:
+            pusher.shutdown(5)
+    assert pusher.exports >= 1 and pusher.failures == 0
+    things = latest(metrics, "sluice_things")
+    assert things is not None and things.kind == "sum" and things.is_monotonic
+    assert things.points == [{"attributes": {"kind": "a"}, "value": 5,
+                              "time_ns": things.points[0]["time_ns"]}]
+    assert things.resource["service.name"] == "svc-push" and things.scope == "svc.push"
+    assert not any(m.name.startswith(("gen_ai_", "sluice_things_total")) for m in metrics)
+    duration = latest(metrics, "gen_ai.server.request.duration")
+    assert duration is not None and duration.kind == "histogram" and duration.unit == "s"
+    ok = next(p for p in duration.points if "error.type" not in p["attributes"])
+    assert ok["attributes"] == {"gen_ai.operation.name": "chat",
+                                "gen_ai.provider.name": "sluice", "gen_ai.request.model": "m"}
+    assert ok["explicit_bounds"] == list(DURATION_BUCKETS) and ok["count"] == 1
+    assert {p["attributes"].get("error.type") for p in duration.points} == {
+        None, "rate_limit_exceeded", "invalid_api_key"}
+    usage = latest(metrics, "gen_ai.client.token.usage")
+    assert usage is not None and usage.unit == "{token}"
+    assert {p["attributes"]["gen_ai.token.type"]: p["sum"] for p in usage.points} == {
+        "input": 100, "output": 7}
+
+
+def test_telemetry_pushes_the_registry_over_otlp(monkeypatch: pytest.MonkeyPatch) -> None:
     with OtlpReceiver() as rx:
-        tel = Telemetry.create("svc-push", env={
-            "OTEL_METRICS_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": rx.endpoint,
-            "OTEL_METRIC_EXPORT_INTERVAL": "100"})
+        # in the process's environment: the SDK's exporter reads its own variables
+        for name, value in {"OTEL_METRICS_EXPORTER": "otlp",
+                            "OTEL_EXPORTER_OTLP_ENDPOINT": rx.endpoint,
+                            "OTEL_METRIC_EXPORT_INTERVAL": "100"}.items():
+            monkeypatch.setenv(name, value)
+        for name in ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+                     "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL",
+                     "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES", "OTEL_SDK_DISABLED"):
+            monkeypatch.delenv(name, raising=False)
+        tel = Telemetry.create("svc-push")
         try:
             assert tel.pusher is not None and not tel.tracing
             c = tel.registry.counter("sluice_things_total", "Things.", ["kind"])
@@ -288,28 +421,19 @@ def test_telemetry_pushes_the_registry_over_otlp() -> None:
     assert tel.pusher.exports >= 1 and tel.pusher.failures == 0
 
 
-def test_telemetry_exports_spans_and_counts_them() -> None:
-    with OtlpReceiver() as rx:
-        tel = Telemetry.create("svc-traces", env={
-            "OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": rx.endpoint,
-            "OTEL_BSP_SCHEDULE_DELAY": "50"})
-        try:
-            assert tel.tracing
-            with tel.tracer.start_as_current_span("op", attributes={"k": "v"}) as span:
-                now = time.time_ns()
-                record_phase(tel.tracer, span, "phase", now, now + 1_000)
-            assert tel.force_flush(5)
-            got = {s.name: s for s in rx.wait_for(lambda s: len(s) >= 2, 5)}
-            _, samples = parse(tel.registry.render())
-        finally:
-            tel.shutdown()
-    assert set(got) == {"op", "phase"}
-    op = got["op"]
-    assert op.attributes == {"k": "v"} and op.scope == "svc.traces"
-    assert op.resource["service.name"] == "svc-traces"
-    assert op.resource["service.version"] == tel.version
-    assert op.resource["telemetry.sdk.name"] == "sluice"
-    assert got["phase"].parent_span_id == op.span_id
-    assert samples[("sluice_telemetry_spans_total", lb(result="exported"))] == 2
-    assert samples[("sluice_telemetry_spans_total", lb(result="dropped_queue_full"))] == 0
-    assert samples[("sluice_telemetry_spans_total", lb(result="export_failed"))] == 0
+def test_render_later_reads_live_state_now_and_formats_anywhere() -> None:
+    import threading
+
+    reg = Registry()
+    reg.counter("x_total", "x", ("tenant",)).inc("a", by=2)
+    reg.histogram("h_seconds", "h", ("tenant",)).observe(0.3, "a")
+    state = {"depth": 1.0}
+    reg.collector(lambda: [Family("depth", "gauge", "d").add(state["depth"])])
+    finish = reg.render_later()
+    state["depth"] = 9.0  # read before: the rendering shows the value at the call
+    out: list[str] = []
+    t = threading.Thread(target=lambda: out.append(finish()))
+    t.start()
+    t.join(10)
+    assert out[0] == reg.render().replace("depth 9.0", "depth 1.0")
+    assert "depth 1.0" in out[0] and 'x_total{tenant="a"} 2.0' in out[0]

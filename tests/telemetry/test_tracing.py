@@ -1,472 +1,270 @@
-"""The lean tracing implementation: samplers, ids, parenting, span semantics, phases,
-and W3C propagation."""
+"""The gateway's request trace on the stock SDK (``gateway/tracing.py``), and W3C
+propagation (``telemetry.extract`` / ``traceparent``)."""
 
 from __future__ import annotations
 
-import random
 import re
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
-from opentelemetry.trace import (
-    Link,
-    NonRecordingSpan,
-    SpanContext,
-    SpanKind,
-    Status,
-    StatusCode,
-    TraceFlags,
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
+from opentelemetry.trace import SpanKind, StatusCode
+
+from gateway.errors import ServiceUnavailable
+from gateway.tracing import (
+    AUTH,
+    NO_TRACE,
+    QUEUE,
+    RELAY,
+    RESERVE,
+    SETTLE,
+    UPSTREAM,
+    RequestTrace,
+    Unsampled,
+    describe,
+    request_trace,
 )
-
-from telemetry import extract, new_span_id, record_phase, traceparent
-from telemetry.tracing import Sampler, Span, Tracer, TracerProvider, child_span
-
-MASK64 = (1 << 64) - 1
-REMOTE_TRACE = 0x4BF92F3577B34DA6A3CE929D0E0E4736
-REMOTE_SPAN = 0x00F067AA0BA902B7
-
-
-class Sink(list):
-    """Collects every ended recording span, as BatchExporter would receive them."""
-
-    def __call__(self, span: Span) -> None:
-        self.append(span)
-
-
-def make(sampler: str = "always_on", arg: float | None = None,
-         seed: int | None = 1) -> tuple[Tracer, Sink]:
-    sink = Sink()
-    provider = TracerProvider(Sampler(sampler, arg), sink, seed=seed)
-    return provider.get_tracer("test.scope", "1.0"), sink
-
-
-def remote(sampled: bool, state: str | None = None) -> otel_context.Context:
-    ctx = extract(f"00-{REMOTE_TRACE:032x}-{REMOTE_SPAN:016x}-{'01' if sampled else '00'}",
-                  state)
-    assert ctx is not None
-    return ctx
-
-
-def ctx_of(trace_id: int, sampled: bool = True, is_remote: bool = True) -> SpanContext:
-    return SpanContext(trace_id, 0x1234, is_remote,
-                       TraceFlags(TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT))
-
-
-# ---- samplers ----------------------------------------------------------------------------
-
-def test_always_on_records_and_samples() -> None:
-    tracer, sink = make("always_on")
-    span = tracer.start_span("x")
-    assert isinstance(span, Span) and span.is_recording()
-    assert span.get_span_context().trace_flags.sampled
-    span.end()
-    assert sink == [span]
-
-
-def test_always_off_returns_a_non_recording_span_with_a_valid_context() -> None:
-    tracer, sink = make("always_off")
-    span = tracer.start_span("x")
-    assert isinstance(span, NonRecordingSpan) and not span.is_recording()
-    ctx = span.get_span_context()
-    assert ctx.is_valid and not ctx.trace_flags.sampled and not ctx.is_remote
-    span.end()
-    assert sink == []
-    # its children share its trace id, so a traceparent still ties the hops together
-    child = tracer.start_span("c", trace.set_span_in_context(span))
-    assert child.get_span_context().trace_id == ctx.trace_id
-    assert child.get_span_context().span_id != ctx.span_id
-
-
-def test_traceidratio_zero_and_one() -> None:
-    rng = random.Random(7)
-    ids = [rng.getrandbits(128) for _ in range(1000)] + [1, MASK64, MASK64 << 64 | MASK64]
-    zero, one = Sampler("traceidratio", 0.0), Sampler("traceidratio", 1.0)
-    assert not any(zero.sample(None, t) for t in ids)
-    assert all(one.sample(None, t) for t in ids)
-    assert all(Sampler("traceidratio").sample(None, t) for t in ids)  # no arg: 1.0
-
-
-def test_traceidratio_half_is_about_half_and_deterministic_per_trace_id() -> None:
-    rng = random.Random(42)
-    ids = [rng.getrandbits(128) for _ in range(4000)]
-    half = Sampler("traceidratio", 0.5)
-    decisions = [half.sample(None, t) for t in ids]
-    assert 0.45 < sum(decisions) / len(ids) < 0.55
-    # the same trace id always gets the same answer, from any sampler instance
-    again = Sampler("traceidratio", 0.5)
-    assert [again.sample(None, t) for t in ids] == decisions
-    # the decision is the spec's: the low 64 bits against rate × 2^64
-    assert decisions == [(t & MASK64) < (1 << 63) for t in ids]
-    # so spans of one trace agree: a child under a non-parent-based ratio sampler
-    assert [half.sample(ctx_of(t, sampled=not d), t) for t, d in zip(ids, decisions)] \
-        == decisions
-
-
-def test_traceidratio_through_the_tracer() -> None:
-    tracer, _ = make("traceidratio", 0.5, seed=3)
-    spans = [tracer.start_span("s") for _ in range(2000)]
-    recording = [s for s in spans if s.is_recording()]
-    assert 0.45 < len(recording) / len(spans) < 0.55
-    for s in spans:
-        ctx = s.get_span_context()
-        assert ctx.trace_flags.sampled == s.is_recording()
-        assert s.is_recording() == ((ctx.trace_id & MASK64) < (1 << 63))
-
-
-def test_non_parent_based_samplers_ignore_the_parent() -> None:
-    assert not Sampler("always_off").sample(ctx_of(5, sampled=True), 5)
-    assert Sampler("always_on").sample(ctx_of(5, sampled=False), 5)
-    tracer, _ = make("always_on")
-    span = tracer.start_span("x", remote(sampled=False))
-    assert span.is_recording()
-    assert span.get_span_context().trace_id == REMOTE_TRACE
-
-
-@pytest.mark.parametrize("name", ["parentbased_always_on", "parentbased_always_off",
-                                  "parentbased_traceidratio"])
-def test_parent_based_samplers_follow_a_remote_parent(name: str) -> None:
-    tracer, _ = make(name, 0.0 if name.endswith("ratio") else None)
-    sampled = tracer.start_span("in", remote(sampled=True))
-    assert isinstance(sampled, Span) and sampled.is_recording()
-    assert sampled.context.trace_id == REMOTE_TRACE
-    assert sampled.parent_id == REMOTE_SPAN and sampled.parent_remote
-    unsampled = tracer.start_span("in", remote(sampled=False))
-    assert isinstance(unsampled, NonRecordingSpan)
-    assert unsampled.get_span_context().trace_id == REMOTE_TRACE
-    assert not unsampled.get_span_context().trace_flags.sampled
-
-
-def test_parent_based_roots_use_the_root_sampler() -> None:
-    assert make("parentbased_always_on")[0].start_span("r").is_recording()
-    assert not make("parentbased_always_off")[0].start_span("r").is_recording()
-    assert not make("parentbased_traceidratio", 0.0)[0].start_span("r").is_recording()
-    assert make("parentbased_traceidratio", 1.0)[0].start_span("r").is_recording()
-
-
-def test_parent_based_follows_a_local_parent_too() -> None:
-    tracer, _ = make("parentbased_always_off")
-    # a sampled local parent from another (always_on) provider
-    parent = make("always_on")[0].start_span("p")
-    child = tracer.start_span("c", trace.set_span_in_context(parent))
-    assert child.is_recording()
-    assert isinstance(child, Span) and not child.parent_remote
-
-
-def test_unsampled_span_propagates_its_trace() -> None:
-    tracer, _ = make("parentbased_always_on")
-    span = tracer.start_span("in", remote(sampled=False))
-    ctx = span.get_span_context()
-    assert traceparent(span) == f"00-{REMOTE_TRACE:032x}-{ctx.span_id:016x}-00"
-    with trace.use_span(span):
-        inner = tracer.start_span("inner")
-    assert not inner.is_recording()
-    assert inner.get_span_context().trace_id == REMOTE_TRACE
-
-
-# ---- ids ---------------------------------------------------------------------------------
-
-def test_ids_are_unique_and_non_zero() -> None:
-    tracer, _ = make("always_on", seed=None)
-    spans = [tracer.start_span("s") for _ in range(3000)]
-    trace_ids = {s.get_span_context().trace_id for s in spans}
-    span_ids = {s.get_span_context().span_id for s in spans}
-    assert len(trace_ids) == len(span_ids) == 3000
-    assert 0 not in trace_ids and 0 not in span_ids
-    assert all(s.get_span_context().is_valid for s in spans)
-    ids = {new_span_id() for _ in range(3000)}
-    assert len(ids) == 3000 and 0 not in ids and max(ids) <= MASK64
-
-
-def test_an_rng_returning_zero_still_gives_valid_ids() -> None:
-    class Zero(random.Random):
-        def getrandbits(self, k: int) -> int:
-            return 0
-
-    tracer, _ = make("always_on")
-    tracer._provider.rng = Zero()
-    ctx = tracer.start_span("s").get_span_context()
-    assert ctx.is_valid and ctx.trace_id != 0 and ctx.span_id != 0
-
-
-def test_seeded_providers_repeat_their_ids() -> None:
-    a = [make(seed=9)[0].start_span("s").get_span_context() for _ in range(2)]
-    assert a[0].trace_id == a[1].trace_id and a[0].span_id == a[1].span_id
-
-
-# ---- parenting ---------------------------------------------------------------------------
-
-def test_parent_child_via_set_span_in_context() -> None:
-    tracer, _ = make()
-    parent = tracer.start_span("p")
-    child = tracer.start_span("c", trace.set_span_in_context(parent))
-    grandchild = tracer.start_span("g", trace.set_span_in_context(child))
-    assert isinstance(parent, Span) and isinstance(child, Span) and isinstance(grandchild, Span)
-    assert parent.parent_id == 0 and not parent.parent_remote
-    assert child.parent_id == parent.context.span_id and not child.parent_remote
-    assert grandchild.parent_id == child.context.span_id
-    assert {s.context.trace_id for s in (parent, child, grandchild)} == {
-        parent.context.trace_id}
-    # an explicit empty context starts a new trace even inside a current span
-    with trace.use_span(parent):
-        fresh = tracer.start_span("fresh", otel_context.Context())
-    assert isinstance(fresh, Span) and fresh.parent_id == 0
-    assert fresh.context.trace_id != parent.context.trace_id
-
-
-def test_invalid_parent_starts_a_root() -> None:
-    tracer, _ = make()
-    span = tracer.start_span("r", trace.set_span_in_context(trace.INVALID_SPAN))
-    assert isinstance(span, Span) and span.parent_id == 0
-
-
-def test_start_as_current_span_nests_and_ends() -> None:
-    tracer, sink = make()
-    assert trace.get_current_span() is trace.INVALID_SPAN
-    with tracer.start_as_current_span("outer", kind=SpanKind.SERVER,
-                                      attributes={"a": 1}) as outer:
-        assert trace.get_current_span() is outer
-        with tracer.start_as_current_span("inner") as inner:
-            assert trace.get_current_span() is inner
-            assert inner.parent_id == outer.context.span_id
-            assert inner.context.trace_id == outer.context.trace_id
-        assert trace.get_current_span() is outer
-        assert sink == [inner]
-    assert trace.get_current_span() is trace.INVALID_SPAN
-    assert sink == [inner, outer]
-    assert outer.end_ns >= outer.start_ns > 0 and not outer.is_recording()
-    assert outer.kind_code == 2 and outer.attributes == {"a": 1}
-
-
-def test_start_as_current_span_records_an_exception() -> None:
-    tracer, sink = make()
-    with pytest.raises(ValueError, match="bad input"), tracer.start_as_current_span("boom"):
-        raise ValueError("bad input")
-    [span] = sink
-    [(name, t_ns, attrs)] = span.events
-    assert name == "exception" and t_ns > 0
-    assert attrs["exception.type"] == "ValueError"
-    assert attrs["exception.message"] == "bad input"
-    assert span.status_code == 2 and "bad input" in span.status_message
-    assert span.end_ns > 0
-    assert trace.get_current_span() is trace.INVALID_SPAN
-
-
-def test_start_as_current_span_without_recording_the_exception() -> None:
-    tracer, sink = make()
-    with pytest.raises(KeyError), tracer.start_as_current_span(
-            "quiet", record_exception=False, set_status_on_exception=False):
-        raise KeyError("k")
-    [span] = sink
-    assert span.events == [] and span.status_code == 0
-
-
-def test_start_as_current_span_end_on_exit_false() -> None:
-    tracer, sink = make()
-    with tracer.start_as_current_span("open", end_on_exit=False) as span:
-        pass
-    assert sink == [] and span.is_recording()
-    span.end()
-    assert sink == [span]
-
-
-def test_start_as_current_span_unsampled_is_current_and_propagates() -> None:
-    tracer, sink = make("always_off")
-    with tracer.start_as_current_span("x") as span:
-        assert trace.get_current_span() is span
-        assert traceparent(span) is not None
-    assert sink == []
-
-
-# ---- span semantics ----------------------------------------------------------------------
-
-def test_nothing_changes_after_end() -> None:
-    tracer, sink = make()
-    span = tracer.start_span("s", attributes={"k": "v"})
-    assert isinstance(span, Span)
-    span.end(1_000)
-    assert span.end_ns == 1_000 and not span.is_recording()
-    span.set_attribute("late", 1)
-    span.set_attributes({"late2": 2, "k": "changed"})
-    span.add_event("late")
-    span.add_link(ctx_of(5))
-    span.update_name("renamed")
-    span.set_status(StatusCode.ERROR, "late")
-    span.record_exception(RuntimeError("late"))
-    span.end(2_000)
-    assert span.attributes == {"k": "v"} and span.events == [] and list(span.links) == []
-    assert span.name == "s" and span.status_code == 0 and span.end_ns == 1_000
-    assert sink == [span]  # ended (and exported) once
-
-
-def test_attribute_count_limit() -> None:
-    tracer, _ = make()
-    one = tracer.start_span("one")
-    for i in range(200):
-        one.set_attribute(f"k{i}", i)
-    assert list(one.attributes) == [f"k{i}" for i in range(128)]
-    one.set_attribute("k5", "overwritten")  # an existing key still updates at the limit
-    assert one.attributes["k5"] == "overwritten" and len(one.attributes) == 128
-
-    bulk = tracer.start_span("bulk")
-    bulk.set_attributes({f"k{i}": i for i in range(200)})
-    assert len(bulk.attributes) == 128
-
-    bulk2 = tracer.start_span("bulk2", attributes={"a": 1})
-    bulk2.set_attributes({f"k{i}": i for i in range(127)})  # exactly at the limit
-    assert len(bulk2.attributes) == 128
-    bulk2.set_attributes({"over": 1})
-    assert "over" not in bulk2.attributes
-
-    start = tracer.start_span("start", attributes={f"k{i}": i for i in range(200)})
-    assert list(start.attributes) == [f"k{i}" for i in range(128)]
-
-
-def test_none_attribute_values_are_ignored() -> None:
-    tracer, _ = make()
-    span = tracer.start_span("s")
-    span.set_attribute("gone", None)
-    assert "gone" not in span.attributes
-
-
-def test_events_and_links() -> None:
-    tracer, _ = make()
-    link = Link(ctx_of(77), {"why": "retry"})
-    span = tracer.start_span("s", links=[link])
-    assert isinstance(span, Span)
-    span.add_event("first", {"n": 1}, timestamp=123)
-    span.add_event("second")
-    span.add_link(ctx_of(88))
-    span.add_link(SpanContext(0, 0, False))  # invalid: ignored
-    assert span.events[0] == ("first", 123, {"n": 1})
-    assert span.events[1][0] == "second" and span.events[1][1] > 0 and span.events[1][2] is None
-    assert [lk.context.trace_id for lk in span.links] == [77, 88]
-    for i in range(200):
-        span.add_event(f"e{i}")
-    assert len(span.events) == 128
-
-
-def test_set_status_semantics() -> None:
-    tracer, _ = make()
-    span = tracer.start_span("s")
-    assert isinstance(span, Span)
-    span.set_status(StatusCode.ERROR, "first failure")
-    assert (span.status_code, span.status_message) == (2, "first failure")
-    span.set_status(StatusCode.UNSET)  # ignored, not a reset
-    assert (span.status_code, span.status_message) == (2, "first failure")
-    span.set_status(Status(StatusCode.ERROR, "second"))
-    assert (span.status_code, span.status_message) == (2, "second")
-    span.set_status(StatusCode.OK, "description dropped for OK")
-    assert (span.status_code, span.status_message) == (1, "")
-    span.set_status(StatusCode.ERROR, "too late")  # OK is final
-    assert (span.status_code, span.status_message) == (1, "")
-
-    other = tracer.start_span("o")
-    other.set_status(Status(StatusCode.OK))
-    other.set_status(Status(StatusCode.ERROR, "no"))
-    assert (other.status_code, other.status_message) == (1, "")
-    err = tracer.start_span("e")
-    err.set_status(StatusCode.ERROR)
-    assert (err.status_code, err.status_message) == (2, "")
-
-
-def test_record_exception_attributes() -> None:
-    tracer, _ = make()
-    span = tracer.start_span("s")
-    span.record_exception(KeyError("missing"), {"extra": 1}, timestamp=55)
-    [(name, t_ns, attrs)] = span.events
-    assert (name, t_ns) == ("exception", 55)
-    assert attrs == {"exception.type": "KeyError", "exception.message": "'missing'",
-                     "extra": 1}
-    assert span.status_code == 0  # recording an exception does not set the status
-
-
-# ---- phases ------------------------------------------------------------------------------
-
-def test_record_phase_batches_a_child_with_its_parent() -> None:
-    tracer, sink = make()
-    parent = tracer.start_span("request")
-    assert isinstance(parent, Span)
-    record_phase(tracer, parent, "sluice.queue.wait", 100, 250, {"queue": "u1"},
-                 kind=SpanKind.CLIENT, span_id=0xABC)
-    record_phase(tracer, parent, "sluice.relay", 250, 900)
-    assert sink == []  # nothing goes anywhere before the parent ends
-    [first, second] = parent.children
-    # plain tuples (name, span id, start, end, attributes, kind code): marshal-ready
-    assert type(first) is tuple
-    assert first == ("sluice.queue.wait", 0xABC, 100, 250, {"queue": "u1"}, 3)
-    assert second[1] not in (0, first[1]) and second[5] == 1
-    parent.end()
-    assert sink == [parent]  # one queue item: the parent carrying its children
-    as_span = child_span(parent, first)
-    assert as_span.context.trace_id == parent.context.trace_id
-    assert as_span.context.span_id == 0xABC
-    assert as_span.parent_id == parent.context.span_id and not as_span.parent_remote
-    assert (as_span.start_ns, as_span.end_ns, as_span.kind_code) == (100, 250, 3)
-
-
-def test_record_phase_on_noop_or_non_recording_parents_does_nothing() -> None:
-    tracer, sink = make("always_on")
-    record_phase(trace.NoOpTracer(), trace.INVALID_SPAN, "p", 1, 2)
-    record_phase(tracer, trace.INVALID_SPAN, "p", 1, 2, {"a": 1})
-    unsampled = NonRecordingSpan(ctx_of(99, sampled=False, is_remote=False))
-    record_phase(tracer, unsampled, "p", 1, 2)
-    off_tracer, off_sink = make("always_off")
-    off_parent = off_tracer.start_span("root")
-    record_phase(off_tracer, off_parent, "p", 1, 2)
-    record_phase(tracer, off_parent, "p", 1, 2)
-    assert sink == [] and off_sink == []
-
-
-def test_record_phase_on_another_implementations_span_goes_through_the_tracer() -> None:
-    tracer, sink = make()
-    sdk_parent = SdkTracerProvider().get_tracer("sdk").start_span("sdk-parent")
-    record_phase(tracer, sdk_parent, "phase", 10, 20, {"k": "v"}, kind=SpanKind.CLIENT)
-    [span] = sink
-    assert span.name == "phase" and (span.start_ns, span.end_ns) == (10, 20)
-    assert span.parent_id == sdk_parent.get_span_context().span_id
-    assert span.context.trace_id == sdk_parent.get_span_context().trace_id
-    assert span.attributes == {"k": "v"} and span.kind_code == 3
-    sdk_parent.end()
-
-
-def test_a_child_after_the_parent_ended_is_exported_alone() -> None:
-    tracer, sink = make()
-    parent = tracer.start_span("request")
-    parent.end()
-    record_phase(tracer, parent, "late", 500, 600, {"x": 1}, span_id=0x77)
-    assert len(sink) == 2 and sink[0] is parent and parent.children == []
-    late = sink[1]
-    assert isinstance(late, Span) and late.name == "late"
-    assert late.context.span_id == 0x77
-    assert late.context.trace_id == parent.context.trace_id
-    assert late.parent_id == parent.context.span_id
-    assert (late.start_ns, late.end_ns) == (500, 600) and not late.is_recording()
-    assert late.attributes == {"x": 1} and late.children == []
+from protocol.errors import AuthenticationFailed
+from telemetry import extract, traceparent
+
+PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def make(sampler: Any = None) -> tuple[trace.Tracer, InMemorySpanExporter]:
+    memory = InMemorySpanExporter()
+    provider = TracerProvider(sampler=sampler) if sampler is not None else TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    return provider.get_tracer("sluice.gateway"), memory
+
+
+def by_name(memory: InMemorySpanExporter) -> dict[str, ReadableSpan]:
+    return {s.name: s for s in memory.get_finished_spans()}
+
+
+def prepared(**body: Any) -> Any:
+    """What ``describe`` reads of a prepared request."""
+    stamp = SimpleNamespace(model="m", policy="p1", versions=SimpleNamespace(
+        revision="r", tokenizer="t", chat_template="c", engine="e"),
+        fingerprint=lambda: "fp_1")
+    return SimpleNamespace(upstream=SimpleNamespace(name="m"), pin=None, priority=2,
+                           max_tokens=16, body=body, stream=True, worst_case=40, stamp=stamp,
+                           degraded=None)
+
+
+def test_a_request_is_a_server_span_named_by_the_genai_conventions() -> None:
+    tracer, memory = make()
+    rt = request_trace(tracer, "/v1/chat/completions", "rid-1", PARENT.encode(), b"v=1")
+    assert isinstance(rt, RequestTrace) and rt.recording
+    describe(rt, prepared(temperature=0.5, top_p=0.9, seed=7, n=2, stop="\n",
+                          frequency_penalty=0.1, presence_penalty=0.2))
+    rt.set(tenant="acme", input_tokens=5, output_tokens=3, cached_tokens=2,
+           finish_reason=("stop",))
+    rt.first_token(0.012)
+    rt.finish(200, "success")
+    root = by_name(memory)["chat m"]
+    assert root.kind is SpanKind.SERVER
+    assert root.parent is not None and root.parent.span_id == 0x00f067aa0ba902b7
+    assert root.context.trace_id == 0x4bf92f3577b34da6a3ce929d0e0e4736
+    assert root.context.trace_state.to_header() == "v=1"
+    a = dict(root.attributes or {})
+    assert {k: a[k] for k in (
+        "gen_ai.operation.name", "gen_ai.provider.name", "gen_ai.request.model",
+        "gen_ai.request.max_tokens", "gen_ai.request.temperature", "gen_ai.request.top_p",
+        "gen_ai.request.seed", "gen_ai.request.choice.count", "gen_ai.request.stream",
+        "gen_ai.request.frequency_penalty", "gen_ai.request.presence_penalty",
+        "gen_ai.response.model", "gen_ai.usage.input_tokens", "gen_ai.usage.output_tokens",
+        "gen_ai.usage.cache_read.input_tokens", "http.response.status_code",
+        "sluice.tenant.id", "sluice.outcome", "sluice.engine")} == {
+        "gen_ai.operation.name": "chat", "gen_ai.provider.name": "sluice",
+        "gen_ai.request.model": "m", "gen_ai.request.max_tokens": 16,
+        "gen_ai.request.temperature": 0.5, "gen_ai.request.top_p": 0.9,
+        "gen_ai.request.seed": 7, "gen_ai.request.choice.count": 2,
+        "gen_ai.request.stream": True, "gen_ai.request.frequency_penalty": 0.1,
+        "gen_ai.request.presence_penalty": 0.2, "gen_ai.response.model": "m",
+        "gen_ai.usage.input_tokens": 5, "gen_ai.usage.output_tokens": 3,
+        "gen_ai.usage.cache_read.input_tokens": 2, "http.response.status_code": 200,
+        "sluice.tenant.id": "acme", "sluice.outcome": "success", "sluice.engine": "e"}
+    assert a["gen_ai.request.stop_sequences"] == ("\n",)
+    assert a["gen_ai.response.finish_reasons"] == ("stop",)
+    assert a["gen_ai.response.time_to_first_chunk"] == 0.012
+    assert [e.name for e in root.events] == ["gen_ai.first_token"]
+
+
+def test_a_seed_that_does_not_fit_64_bits_is_left_out() -> None:
+    tracer, memory = make()
+    rt = request_trace(tracer, "/v1/completions", "rid", None, None)
+    describe(rt, prepared(seed=1 << 70))
+    rt.finish(200, "success")
+    root = by_name(memory)["text_completion m"]
+    assert "gen_ai.request.seed" not in (root.attributes or {})
+    assert root.parent is None
+
+
+def test_before_the_model_is_known_the_span_is_named_by_the_operation() -> None:
+    tracer, memory = make()
+    rt = request_trace(tracer, "/v1/chat/completions", "rid", None, None)
+    rt.event(AUTH, **{"error.type": "invalid_api_key"})
+    rt.error(AuthenticationFailed("bad key"))
+    rt.finish(401, "unauthorized")
+    [root] = memory.get_finished_spans()  # auth is an event on the request span, no span
+    assert root.name == "chat"
+    assert root.attributes is not None and root.attributes["error.type"] == "invalid_api_key"
+    assert root.status.status_code is StatusCode.UNSET  # a 4xx is the client's error
+    [auth] = root.events
+    assert auth.name == AUTH and dict(auth.attributes or {}) == {
+        "error.type": "invalid_api_key"}
+    assert root.start_time is not None and root.end_time is not None
+    assert root.start_time <= auth.timestamp <= root.end_time
+
+
+def test_instant_steps_are_events_on_the_request_span_in_order() -> None:
+    """Auth, the answer's start (relay) and settling are events, not spans: the request
+    span carries them in the order they happened, inside its own time."""
+    tracer, memory = make()
+    rt = request_trace(tracer, "/v1/chat/completions", "rid", None, None)
+    rt.event(AUTH, **{"sluice.tenant.id": "acme"})
+    rt.event(RELAY)
+    rt.first_token(0.005)
+    rt.set(chunks=4)  # a streamed answer's chunk count is the request span's
+    rt.event(SETTLE, **{"gen_ai.usage.input_tokens": 7, "gen_ai.usage.output_tokens": 4})
+    rt.finish(200, "success")
+    [root] = memory.get_finished_spans()
+    assert [(e.name, dict(e.attributes or {})) for e in root.events] == [
+        (AUTH, {"sluice.tenant.id": "acme"}),
+        (RELAY, {}),
+        ("gen_ai.first_token", {"sluice.ttft_ms": 5.0}),
+        (SETTLE, {"gen_ai.usage.input_tokens": 7, "gen_ai.usage.output_tokens": 4})]
+    times = [e.timestamp for e in root.events]
+    assert root.start_time is not None and root.end_time is not None
+    assert root.start_time <= times[0] and times == sorted(times) and times[-1] <= root.end_time
+    assert root.attributes is not None and root.attributes["sluice.chunks"] == 4
+
+
+def test_phases_are_child_spans_and_the_upstream_one_is_the_next_hops_parent() -> None:
+    tracer, memory = make()
+    rt = request_trace(tracer, "/v1/chat/completions", "rid", None, None)
+    reserve = rt.start(RESERVE, {"sluice.reserved_tokens": 40})
+    # a waiting phase is only a name, a start time and attributes until it ends: no span yet
+    assert isinstance(reserve, tuple) and reserve[0] == RESERVE
+    assert memory.get_finished_spans() == ()
+    rt.end(reserve, **{"sluice.granted": True})
+    up = rt.start(UPSTREAM, {"sluice.attempt": 1})
+    # the upstream attempt is a live span: its id is the traceparent the upstream gets
+    assert isinstance(up, trace.Span) and up.is_recording()
+    [(name, value)] = rt.upstream_headers(up)
+    rt.event(RELAY)
+    rt.end(up, **{"http.response.status_code": 200})
+    rt.error(ServiceUnavailable("overloaded", code="queue_full", retry_after_s=1.5))
+    rt.finish(503, "shed")
+    spans = by_name(memory)
+    assert set(spans) == {"chat", RESERVE, UPSTREAM}  # the relay is an event, not a span
+    root, upstream, reserved = spans["chat"], spans[UPSTREAM], spans[RESERVE]
+    assert upstream.kind is SpanKind.CLIENT and reserved.kind is SpanKind.INTERNAL
+    assert dict(upstream.attributes or {}) == {"sluice.attempt": 1,
+                                              "http.response.status_code": 200}
+    assert dict(reserved.attributes or {}) == {"sluice.reserved_tokens": 40,
+                                              "sluice.granted": True}
+    # created when it ended, with the start time taken when it started
+    assert reserved.start_time == reserve[1]
+    assert reserved.start_time is not None and reserved.end_time is not None
+    assert reserved.start_time <= reserved.end_time
+    assert name == b"traceparent" and value.decode() == traceparent(_span(upstream))
+    for phase in (upstream, reserved):
+        assert phase.parent is not None and phase.parent.span_id == root.context.span_id
+        assert phase.context.trace_id == root.context.trace_id
+    assert [e.name for e in root.events] == [RELAY]
+    assert root.status.status_code is StatusCode.ERROR
+    assert root.attributes is not None
+    assert root.attributes["sluice.reject.reason"] == "queue_full"
+    assert root.attributes["sluice.retry_after_s"] == 1.5
+
+
+def test_a_phase_that_never_ends_costs_no_span() -> None:
+    """The queue stage ends its span only when the request did wait: one that got a slot
+    at once leaves its phase unended, and nothing is exported for it."""
+    tracer, memory = make()
+    rt = request_trace(tracer, "/v1/chat/completions", "rid", None, None)
+    rt.start(QUEUE, {"sluice.queue.length": 0})
+    rt.set(queue_ms=0)
+    rt.finish(200, "success")
+    [root] = memory.get_finished_spans()
+    assert root.attributes is not None and root.attributes["sluice.queue_ms"] == 0
+
+
+def _span(readable: ReadableSpan) -> trace.Span:
+    return trace.NonRecordingSpan(readable.context)
+
+
+def test_the_request_span_is_current_while_the_request_is_served() -> None:
+    """So that instrumentation libraries (redis, httpx) add their spans to the trace."""
+    tracer, memory = make()
+    before = otel_context.get_current()
+    rt = request_trace(tracer, "/v1/chat/completions", "rid", None, None)
+    assert isinstance(rt, RequestTrace)
+    inner = tracer.start_span("redis EVALSHA")  # what an instrumentation would do
+    inner.end()
+    rt.finish(200, "success")
+    assert otel_context.get_current() == before
+    spans = by_name(memory)
+    assert spans["redis EVALSHA"].parent is not None
+    assert spans["redis EVALSHA"].parent.span_id == spans["chat"].context.span_id
+
+
+def test_an_unsampled_request_records_nothing_but_propagates() -> None:
+    tracer, memory = make(ParentBased(ALWAYS_OFF))
+    rt = request_trace(tracer, "/v1/chat/completions", "rid", None, None)
+    assert isinstance(rt, Unsampled) and not rt.recording
+    current = trace.get_current_span().get_span_context()
+    [(_, value)] = rt.upstream_headers(rt.start(UPSTREAM))
+    flags = int(current.trace_flags)
+    assert value.decode() == f"00-{current.trace_id:032x}-{current.span_id:016x}-{flags:02x}"
+    assert not flags & 1  # the sampled flag is off
+    rt.finish(200, "success")
+    assert not trace.get_current_span().get_span_context().is_valid
+    assert memory.get_finished_spans() == ()
+    # a sampled caller's decision is kept (parent based)
+    rt = request_trace(tracer, "/v1/chat/completions", "rid", PARENT.encode(), None)
+    assert isinstance(rt, RequestTrace)
+    rt.finish(200, "success")
+    assert len(memory.get_finished_spans()) == 1
+
+
+def test_tracing_off_is_the_no_op() -> None:
+    assert NO_TRACE.start(RESERVE) is None and NO_TRACE.start(UPSTREAM) is None
+    assert NO_TRACE.upstream_headers(None) == []
+    NO_TRACE.event(AUTH, **{"sluice.tenant.id": "acme"})
+    NO_TRACE.end(None)
+    NO_TRACE.finish(200, "success")
 
 
 # ---- propagation -------------------------------------------------------------------------
 
 def test_traceparent_and_extract_round_trip() -> None:
-    tracer, _ = make()
+    tracer, memory = make()
     span = tracer.start_span("s")
     ctx = span.get_span_context()
     header = traceparent(span)
-    assert header == f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-01"
-    assert re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-01", header)
+    # sampled (01), and the SDK's random trace id flag (02, W3C trace context level 2)
+    assert header == f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-03"
+    assert re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-03", header)
     extracted = extract(header, "vendor=abc,other=1")
     assert extracted is not None
     remote_ctx = trace.get_current_span(extracted).get_span_context()
     assert (remote_ctx.trace_id, remote_ctx.span_id) == (ctx.trace_id, ctx.span_id)
     assert remote_ctx.is_remote and remote_ctx.trace_flags.sampled
     assert remote_ctx.trace_state.to_header() == "vendor=abc,other=1"
-    # the next hop's span joins the trace, carrying the trace state along
-    child = make()[0].start_span("next hop", extracted)
-    assert isinstance(child, Span)
-    assert child.context.trace_id == ctx.trace_id and child.parent_id == ctx.span_id
-    assert child.parent_remote
-    assert child.context.trace_state.to_header() == "vendor=abc,other=1"
+    child = tracer.start_span("next hop", extracted)
+    child.end()
+    [done] = memory.get_finished_spans()
+    assert done.context.trace_id == ctx.trace_id and done.parent is not None
+    assert done.parent.span_id == ctx.span_id and done.parent.is_remote
+    assert done.context.trace_state.to_header() == "vendor=abc,other=1"
 
 
 def test_traceparent_of_an_invalid_span_is_none() -> None:

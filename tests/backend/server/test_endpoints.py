@@ -37,7 +37,7 @@ def test_metrics_exposition(backend: Backend) -> None:
     for hist in ("request_queue_time_seconds", "time_to_first_token_seconds",
                  "time_per_output_token_seconds"):
         count = [ln for ln in text.splitlines() if ln.startswith(f"sluice_backend_{hist}_count")]
-        assert count and int(count[0].split()[-1]) >= 1, hist
+        assert count and float(count[0].split()[-1]) >= 1, hist
         assert f'sluice_backend_{hist}_bucket{{le="+Inf"}}' in text
 
 

@@ -205,9 +205,10 @@ def test_a_tenant_over_its_tokenizing_share_gets_429_while_others_proceed(
         anonymous = tokenize(None)
         assert not first
         metrics = httpx.get(backend.url + "/metrics", timeout=10).text
-        assert 'sluice_backend_tokenize_refused_total{reason="tokenize_concurrency"} 1' in metrics
-        assert 'sluice_backend_tokenize_refused_total{reason="tokenizer_busy"} 0' in metrics
-        assert "sluice_backend_tokenize_running 1" in metrics  # a's, held
+        assert 'sluice_backend_tokenize_refused_total{reason="tokenize_concurrency"} 1.0' \
+            in metrics
+        assert 'sluice_backend_tokenize_refused_total{reason="tokenizer_busy"} 0.0' in metrics
+        assert "sluice_backend_tokenize_running 1.0" in metrics  # a's, held
         assert "sluice_backend_memory_trims_total" in metrics
     finally:
         blocking.release.set()
