@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 from collections.abc import Callable
@@ -314,7 +315,10 @@ class DispatchQueue:
 
     def _start_pump(self) -> None:
         if self._pump is None or self._pump.done():
-            self._pump = asyncio.ensure_future(self._run())
+            # in a context of its own: started by a request, it outlives it, and must not
+            # carry that request's trace context (its store calls would join that trace)
+            self._pump = asyncio.get_running_loop().create_task(
+                self._run(), context=contextvars.Context())
         self._wake.set()
 
     def _pick(self, urgent_only: bool = False) -> Waiter | None:

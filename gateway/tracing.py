@@ -98,19 +98,27 @@ class Unsampled(NoTrace):
     current one while the request is served and travels upstream (sampled flag off), so
     the next hop and any instrumentation make the same decision."""
 
-    __slots__ = ("_token", "_traceparent")
+    __slots__ = ("_headers", "_token")
 
     def __init__(self, root: trace.Span) -> None:
-        ctx = root.get_span_context()
-        self._traceparent = (f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-"
-                             f"{int(ctx.trace_flags):02x}").encode()
+        self._headers = w3c_headers(root.get_span_context())
         self._token = otel_context.attach(trace.set_span_in_context(root))
 
     def upstream_headers(self, span: Any) -> list[tuple[bytes, bytes]]:
-        return [(b"traceparent", self._traceparent)]
+        return self._headers
 
     def finish(self, status: int, outcome: str) -> None:
         otel_context.detach(self._token)
+
+
+def w3c_headers(ctx: trace.SpanContext) -> list[tuple[bytes, bytes]]:
+    """W3C ``traceparent`` naming ``ctx`` as the next hop's parent, and the caller's
+    ``tracestate`` passed on when there is one (vendors' entries travel with the trace)."""
+    parent = f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+    headers = [(b"traceparent", parent.encode())]
+    if ctx.trace_state:
+        headers.append((b"tracestate", ctx.trace_state.to_header().encode("latin-1")))
+    return headers
 
 
 # a phase: a live span (the upstream attempt) or (name, start ns, attributes) until it ends
@@ -204,9 +212,7 @@ class RequestTrace(NoTrace):
         """W3C traceparent naming the upstream phase as the next hop's parent."""
         if span is None or isinstance(span, tuple):
             return []
-        ctx = span.get_span_context()
-        value = f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
-        return [(b"traceparent", value.encode())]
+        return w3c_headers(span.get_span_context())
 
     def finish(self, status: int, outcome: str) -> None:
         attrs = self.attrs

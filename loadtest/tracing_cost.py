@@ -23,8 +23,9 @@ clients each sending its next request when its last one ends, so that the gatewa
 bottleneck, the gateways alternating in short segments over many rounds; the median of the
 per-round ratios to ``untraced``.
 
-Targets (issue #22): ``sdk-10%`` ÷ ``untraced`` >= 0.9; the C encoder stays only if
-``null-10%`` ÷ ``sdk-10%`` >= 1.05 (it is gone: see docs/overhead.md). Each traced
+Targets (issue #22): ``sdk-10%`` ÷ ``untraced`` >= 0.9; a faster exporter (the C encoder)
+stays only if it shows >= 1.05 over the stock one at 10 %, and ``null-10%`` ÷ ``sdk-10%``
+is the ceiling of that (docs/overhead.md). Each traced
 gateway's /metrics is read afterwards (``sluice_telemetry_spans_total``): spans exported,
 failed and dropped.
 """
@@ -189,9 +190,8 @@ async def _bench(plan: Plan, workdir: Path, stack: contextlib.ExitStack) -> dict
         verdict(f"saturation throughput, sdk-10% / untraced (>= {GOAL_RATE_RATIO:g})",
                 ratios["sdk-10%"], ratios["sdk-10%"] >= GOAL_RATE_RATIO),
         verdict("saturation throughput, sdk-100% / untraced", ratios["sdk-100%"], None),
-        verdict(f"no exporter could win >= 5 % at 10 %: null-10% / sdk-10% < "
-                f"{NATIVE_WORTH:g} (else a C encoder would be worth keeping)", native_worth,
-                None if math.isnan(native_worth) else native_worth < NATIVE_WORTH),
+        verdict(f"the most any exporter could win at 10 %, null-10% / sdk-10% (a C encoder "
+                f"must show >= {NATIVE_WORTH:g} to be kept)", native_worth, None),
         verdict("no span failed (export_failed == 0)", None,
                 all(c.get("export_failed", 0) == 0 and c.get("exported", 0) > 0
                     for c in counts.values())),

@@ -3,7 +3,9 @@
     python -m loadtest.versus --baseline DIR [--quick] [--json FILE]
 
 ``DIR`` is another checkout of Sluice (``git worktree add /tmp/base <commit>``); its gateway
-runs from its sources (``PYTHONPATH=DIR``) on this environment's packages. Both gateways get
+runs from its sources (``PYTHONPATH=DIR`` with ``PYTHONSAFEPATH=1``, so that the working
+directory, this checkout, does not come first on ``sys.path``) on this environment's
+packages; the bench checks which sources each side imports before it measures. Both gateways get
 the same config in front of the same `sluice fake-upstream`, tracing off. Then, as
 ``loadtest.tracing_cost`` does: (a) at a fixed rate both sustain, each one's CPU per
 request and latency, their segments interleaved; (c) saturation throughput, closed loop,
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -29,13 +33,27 @@ from loadtest.report import run_bench, say, verdict, write_report
 from loadtest.tracing_cost import SATURATION_CLIENTS, saturation
 
 
+def sources(env: dict[str, str]) -> Path:
+    """The checkout whose ``gateway`` package a gateway started with ``env`` imports (run
+    as the bench runs it: from this checkout's directory)."""
+    code = "import gateway, pathlib; print(pathlib.Path(gateway.__file__).resolve().parents[1])"
+    out = subprocess.run([sys.executable, "-c", code],
+                         cwd=procs.REPO_ROOT, env={**os.environ, **env}, check=True,
+                         capture_output=True, text=True, timeout=60)
+    return Path(out.stdout.strip())
+
+
 async def _bench(baseline: Path, plan: Plan, workdir: Path,
                  stack: contextlib.ExitStack) -> dict[str, Any]:
+    base_env = {"PYTHONPATH": str(baseline), "PYTHONSAFEPATH": "1"}
+    if sources(base_env) != baseline.resolve():
+        raise RuntimeError(f"the baseline gateway would not run from {baseline}")
+    if sources({"PYTHONPATH": str(procs.REPO_ROOT)}) != procs.REPO_ROOT.resolve():
+        raise RuntimeError(f"this gateway would not run from {procs.REPO_ROOT}")
     up = procs.start_fake_upstream(workdir, CHUNKS)
     stack.callback(up.stop)
     off = {"OTEL_TRACES_EXPORTER": "none"}
-    base = procs.start_gateway(workdir, up.port, name="baseline",
-                               env={**off, "PYTHONPATH": str(baseline)})
+    base = procs.start_gateway(workdir, up.port, name="baseline", env={**off, **base_env})
     stack.callback(base.stop)
     this = procs.start_gateway(workdir, up.port, name="this", env=off)
     stack.callback(this.stop)

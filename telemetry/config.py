@@ -145,10 +145,10 @@ def _otlp_args(env: Mapping[str, str], signal: str, protocol: Protocol,
                                  "or https://")
         endpoint = (file_endpoint if protocol == "grpc"
                     else file_endpoint.rstrip("/") + f"/v1/{signal.lower()}")
-    headers = None
+    headers = None  # gRPC metadata keys must be lower case; HTTP ignores case
     if cfg.headers and not (env.get(f"OTEL_EXPORTER_OTLP_{signal}_HEADERS")
                             or env.get("OTEL_EXPORTER_OTLP_HEADERS")):
-        headers = dict(cfg.headers)
+        headers = {k.lower(): v for k, v in cfg.headers.items()}
     timeout = None
     if not (env.get(f"OTEL_EXPORTER_OTLP_{signal}_TIMEOUT")
             or env.get("OTEL_EXPORTER_OTLP_TIMEOUT")):
@@ -175,26 +175,34 @@ def _sampler(env: Mapping[str, str], cfg: TracesConfig) -> tuple[str, float | No
 
 def resolve(config: TelemetryConfig | None, default_service: str,
             env: Mapping[str, str]) -> Settings:
-    """The file's settings under the environment; raises TelemetryError."""
+    """The file's settings under the environment; raises TelemetryError. A signal that is
+    off is not checked further (``OTEL_SDK_DISABLED=true`` ignores every other variable)."""
     cfg = config or TelemetryConfig()
     disabled = env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
-    traces_protocol = _protocol(env, "TRACES", cfg.traces.protocol)
-    exporters = () if disabled else _exporter_names(
-        env.get("OTEL_TRACES_EXPORTER") or cfg.traces.exporter, env, "TRACES",
-        cfg.traces.protocol)
-    sampler, arg = _sampler(env, cfg.traces)
+    exporters: tuple[str, ...] = ()
+    sampler, arg = cfg.traces.sampler, cfg.traces.sampler_arg
+    traces_otlp = OtlpArgs()
+    raw_exporters = env.get("OTEL_TRACES_EXPORTER") or cfg.traces.exporter
+    if not disabled and raw_exporters.strip().lower() not in ("", "none"):
+        exporters = _exporter_names(raw_exporters, env, "TRACES", cfg.traces.protocol)
+        sampler, arg = _sampler(env, cfg.traces)
+        traces_otlp = _otlp_args(env, "TRACES", _protocol(env, "TRACES", cfg.traces.protocol),
+                                 cfg, cfg.traces.endpoint)
     metrics_raw = (env.get("OTEL_METRICS_EXPORTER") or cfg.metrics.exporter).strip().lower()
     metrics_names = [n.strip() for n in metrics_raw.split(",") if n.strip()]
-    unknown = set(metrics_names) - {"otlp", "console", "none", "prometheus"}
-    if unknown:
-        raise TelemetryError(f"metrics exporter {', '.join(sorted(unknown))}: supported are "
-                             "otlp (push) and none; Prometheus /metrics is always served")
-    metrics_protocol = _protocol(env, "METRICS", cfg.metrics.protocol)
-    metrics_exporter = (_OTLP_ENTRY[metrics_protocol]
-                        if "otlp" in metrics_names and not disabled else None)
+    metrics_exporter, metrics_otlp = None, OtlpArgs()
+    if not disabled:
+        unknown = set(metrics_names) - {"otlp", "console", "none", "prometheus"}
+        if unknown:
+            raise TelemetryError(f"metrics exporter {', '.join(sorted(unknown))}: supported "
+                                 "are otlp (push) and none (console and prometheus are "
+                                 "accepted and ignored: /metrics is always served)")
+        if "otlp" in metrics_names:
+            protocol = _protocol(env, "METRICS", cfg.metrics.protocol)
+            metrics_exporter = _OTLP_ENTRY[protocol]
+            metrics_otlp = _otlp_args(env, "METRICS", protocol, cfg, cfg.metrics.endpoint)
     service = None
-    resource_env = env.get("OTEL_RESOURCE_ATTRIBUTES", "")
-    if not env.get("OTEL_SERVICE_NAME") and "service.name=" not in resource_env.replace(" ", ""):
+    if not _env_names_service(env):
         service = cfg.service_name or default_service
     interval_ms = env.get("OTEL_METRIC_EXPORT_INTERVAL")
     try:
@@ -205,11 +213,23 @@ def resolve(config: TelemetryConfig | None, default_service: str,
     return Settings(
         service_name=service,
         exporters=exporters,
-        traces_otlp=_otlp_args(env, "TRACES", traces_protocol, cfg, cfg.traces.endpoint),
+        traces_otlp=traces_otlp,
         sampler=sampler,
         sampler_arg=arg,
         metrics_exporter=metrics_exporter,
-        metrics_otlp=_otlp_args(env, "METRICS", metrics_protocol, cfg, cfg.metrics.endpoint),
+        metrics_otlp=metrics_otlp,
         metrics_interval_s=max(0.05, interval_s),
         max_label_values=cfg.metrics.max_label_values,
     )
+
+
+def _env_names_service(env: Mapping[str, str]) -> bool:
+    """Whether the environment names the service: ``OTEL_SERVICE_NAME``, or the exact key
+    ``service.name`` in ``OTEL_RESOURCE_ATTRIBUTES`` (not ``k8s.service.name``)."""
+    if env.get("OTEL_SERVICE_NAME"):
+        return True
+    for item in env.get("OTEL_RESOURCE_ATTRIBUTES", "").split(","):
+        key, sep, _ = item.partition("=")
+        if sep and key.strip() == "service.name":
+            return True
+    return False

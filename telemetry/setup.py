@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from opentelemetry import trace
@@ -301,17 +301,47 @@ class Telemetry:
                          "OTLP metric exports that failed.").add(self.pusher.failures)
 
     def force_flush(self, timeout_s: float = 10.0) -> bool:
-        if self.provider is None:
+        """Export what is queued; True when done within ``timeout_s`` (the SDK's own flush
+        does not stop at its timeout: a collector that is down makes every batch wait out
+        the exporter's retries, so it runs on a thread this call stops waiting for)."""
+        provider = self.provider
+        if provider is None:
             return True
-        return bool(self.provider.force_flush(int(timeout_s * 1000)))
+        return _within(lambda: provider.force_flush(int(timeout_s * 1000)), timeout_s)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        if self.provider is not None:
-            self.provider.force_flush(int(timeout_s * 1000))
+        """Flush and close, all of it within ``timeout_s`` (a process being stopped has a
+        grace period): spans first, then the last metrics push with the time left."""
+        deadline = time.monotonic() + timeout_s
+        provider = self.provider
+        if provider is not None:
+            flushed = self.force_flush(timeout_s)
             if self.owned:
-                self.provider.shutdown()
-        if self.pusher is not None:
-            self.pusher.shutdown(timeout_s)
+                flushed = _within(provider.shutdown, deadline - time.monotonic()) and flushed
+            if not flushed:
+                log.warning("telemetry: spans still queued after %.1f s at shutdown, dropped",
+                            timeout_s)
+        pusher = self.pusher
+        if pusher is not None:
+            left = max(0.0, deadline - time.monotonic())
+            if not _within(lambda: pusher.shutdown(left), left):
+                log.warning("telemetry: the last OTLP metrics push did not finish in time")
+
+
+def _within(fn: Callable[[], object], timeout_s: float) -> bool:
+    """Run ``fn`` on a daemon thread; True when it returned within ``timeout_s``."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            fn()
+        except Exception:
+            log.warning("telemetry: flushing failed", exc_info=True)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="sluice-telemetry-flush", daemon=True).start()
+    return done.wait(max(0.0, timeout_s))
 
 
 def extract(traceparent: str | None, tracestate: str | None = None) -> Context | None:

@@ -311,6 +311,7 @@ def test_a_bad_otel_setting_stops_the_backend_before_the_model_loads(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     from sluice.cli import main
 
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")  # traces on: their settings count
     monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "2")
     assert main(["backend", "--model", "/nonexistent/model", "--no-api-key"]) == 2
     err = capsys.readouterr().err

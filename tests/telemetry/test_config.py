@@ -9,6 +9,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -157,19 +158,46 @@ def test_console_metrics_exporter_means_no_push() -> None:
 ])
 def test_bad_settings_raise_clear_errors(env: dict[str, str], message: str) -> None:
     with pytest.raises(TelemetryError) as err:
-        settings(env=env)
+        settings(env={"OTEL_TRACES_EXPORTER": "otlp", "OTEL_METRICS_EXPORTER": "otlp", **env})
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("env", [
+    {"OTEL_SDK_DISABLED": "true", "OTEL_TRACES_EXPORTER": "otlp",
+     "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json", "OTEL_TRACES_SAMPLER": "xray",
+     "OTEL_METRICS_EXPORTER": "statsd"},
+    # a cluster-wide value meant for other services: nothing here uses it
+    {"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json", "OTEL_TRACES_SAMPLER": "xray"},
+])
+def test_settings_of_signals_that_are_off_are_not_checked(env: dict[str, str]) -> None:
+    s = settings(env=env)
+    assert not s.tracing and s.metrics_exporter is None
+
+
+def test_file_headers_are_lower_cased_for_grpc_metadata() -> None:
+    cfg = TelemetryConfig.model_validate({"headers": {"Authorization": "Bearer t"},
+                                          "traces": {"exporter": "otlp", "protocol": "grpc"}})
+    assert settings(cfg=cfg).traces_otlp.headers == {"authorization": "Bearer t"}
+
+
+def test_a_resource_key_ending_in_service_name_does_not_name_the_service() -> None:
+    env = {"OTEL_RESOURCE_ATTRIBUTES": "deployment.environment.name=prod,k8s.service.name=llm"}
+    assert settings(env=env).service_name == "sluice-gateway"
+    env = {"OTEL_RESOURCE_ATTRIBUTES": "k8s.service.name=llm, service.name=mine"}
+    assert settings(env=env).service_name is None  # the SDK's resource takes it
 
 
 def test_telemetry_error_is_a_value_error_and_create_raises_it() -> None:
     assert issubclass(TelemetryError, ValueError)
     with pytest.raises(TelemetryError):
-        Telemetry.create("sluice-gateway", env={"OTEL_TRACES_SAMPLER": "never"})
+        Telemetry.create("sluice-gateway", env={"OTEL_TRACES_EXPORTER": "console",
+                                                "OTEL_TRACES_SAMPLER": "never"})
 
 
 def test_bad_file_settings_are_errors_too() -> None:
     with pytest.raises(TelemetryError, match="sampler 'sometimes'"):
-        settings(cfg=TelemetryConfig.model_validate({"traces": {"sampler": "sometimes"}}))
+        settings(cfg=TelemetryConfig.model_validate({"traces": {
+            "exporter": "console", "sampler": "sometimes"}}))
     with pytest.raises(TelemetryError, match="must start with http"):
         settings(cfg=TelemetryConfig.model_validate({"traces": {
             "exporter": "otlp", "endpoint": "collector:4318"}}))
@@ -263,15 +291,26 @@ def test_spans_reach_a_real_collector_from_the_files_settings() -> None:
 # ---- plugging in through the SDK's entry points -----------------------------------------------
 
 PLUGIN = '''
+import threading
+
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 SEEN = []
+RELEASE = threading.Event()
 
 
 class MemoryExporter(SpanExporter):
     def export(self, spans):
         SEEN.extend(s.name for s in spans)
         return SpanExportResult.SUCCESS
+
+
+class StuckExporter(SpanExporter):
+    """A collector that never answers (until the test lets it go)."""
+
+    def export(self, spans):
+        RELEASE.wait(120)
+        return SpanExportResult.FAILURE
 '''
 
 
@@ -283,7 +322,8 @@ def plugin(tmp_path: Path) -> Path:
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sluice-test-plugin\n"
                                    "Version: 1.0\n")
     (info / "entry_points.txt").write_text(
-        "[opentelemetry_traces_exporter]\nmemory = sluice_test_plugin:MemoryExporter\n")
+        "[opentelemetry_traces_exporter]\nmemory = sluice_test_plugin:MemoryExporter\n"
+        "stuck = sluice_test_plugin:StuckExporter\n")
     return tmp_path
 
 
@@ -300,6 +340,26 @@ def test_an_exporter_plugin_is_chosen_by_name(tmp_path: Path,
     assert sluice_test_plugin.SEEN == ["to-the-plugin"]
     tel.shutdown(1)
     monkeypatch.delitem(sys.modules, "sluice_test_plugin")
+
+
+def test_shutdown_is_bounded_when_the_collector_never_answers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SDK's flush ignores its timeout; Telemetry's does not (a stopping process has a
+    grace period)."""
+    monkeypatch.syspath_prepend(str(plugin(tmp_path)))
+    tel = Telemetry(settings(env={"OTEL_TRACES_EXPORTER": "stuck"}), "s")
+    import sluice_test_plugin  # type: ignore[import-not-found]  # written by plugin()
+
+    try:
+        for i in range(600):  # two batches: the first blocks the export thread
+            tel.tracer.start_span(f"s{i}").end()
+        started = time.monotonic()
+        assert tel.force_flush(0.2) is False
+        tel.shutdown(0.5)
+        assert time.monotonic() - started < 30  # unbounded: until the exporter lets go
+    finally:
+        sluice_test_plugin.RELEASE.set()
+        monkeypatch.delitem(sys.modules, "sluice_test_plugin")
 
 
 OPERATOR = '''

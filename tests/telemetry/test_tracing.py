@@ -281,3 +281,20 @@ def test_traceparent_of_an_invalid_span_is_none() -> None:
 ])
 def test_extract_of_garbage_is_none(header: str | None) -> None:
     assert extract(header) is None
+
+
+def test_the_callers_tracestate_travels_upstream_sampled_or_not() -> None:
+    tracer, _ = make()
+    rt = request_trace(tracer, "/v1/chat/completions", "rid", PARENT.encode(), b"vendor=abc")
+    headers = dict(rt.upstream_headers(rt.start(UPSTREAM)))
+    assert headers[b"tracestate"] == b"vendor=abc"
+    rt.finish(200, "success")
+    unsampled = PARENT[:-2] + "00"
+    rt = request_trace(tracer, "/v1/chat/completions", "rid", unsampled.encode(), b"v=1")
+    assert isinstance(rt, Unsampled)
+    headers = dict(rt.upstream_headers(None))
+    assert headers[b"tracestate"] == b"v=1" and headers[b"traceparent"].endswith(b"-00")
+    rt.finish(200, "success")
+    rt = request_trace(tracer, "/v1/chat/completions", "rid", None, None)
+    assert [k for k, _ in rt.upstream_headers(rt.start(UPSTREAM))] == [b"traceparent"]
+    rt.finish(200, "success")
