@@ -161,6 +161,8 @@ def build_gateway(config: GatewayConfig, tenants: TenantsFile,
     telemetry = telemetry or Telemetry.create("sluice-gateway", config.telemetry,
                                               scope="sluice.gateway")
     metrics = GatewayMetrics(telemetry.registry)
+    with contextlib.suppress(RuntimeError):  # built on its loop: the OTLP push reads there
+        telemetry.registry.bind_loop(asyncio.get_running_loop())
     admission = Admission(config)
     queues: dict[str, DispatchQueue] = {}
     q = config.queue

@@ -20,6 +20,8 @@ process-wide setting of the library): the exposition keeps the series it always 
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -169,6 +171,7 @@ class Registry:
         self._families = _Families()
         self.prometheus.register(self._families)
         self._instruments: list[MetricWrapperBase] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.start_ns = time.time_ns()
 
     def counter(self, name: str, help_text: str, labels: Sequence[str] = ()) -> Counter:
@@ -189,8 +192,37 @@ class Registry:
         self._families.functions.append(fn)
 
     def collect(self) -> list[Metric]:
-        """Every family as ``prometheus_client`` metrics, read now (the OTLP pusher's)."""
+        """Every family as ``prometheus_client`` metrics, read now, on this thread."""
         return list(self.prometheus.collect())
+
+    def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The event loop that owns the state the scrape-time families read: a reader on
+        another thread (the OTLP pusher) has them read there (``collect_threadsafe``)."""
+        self._loop = loop
+
+    def collect_threadsafe(self, timeout_s: float = 5.0) -> list[Metric]:
+        """``collect`` from any thread: the scrape-time families are read on the bound
+        loop (directly when none is bound, the loop is gone, or this is its thread), the
+        library's instruments here. Raises TimeoutError if the loop does not get to it."""
+        loop = self._loop
+        live: list[Metric]
+        if loop is None or loop.is_closed() or not loop.is_running() or _on(loop):
+            live = self._live()
+        else:
+            done: concurrent.futures.Future[list[Metric]] = concurrent.futures.Future()
+
+            def read() -> None:
+                try:
+                    done.set_result(self._live())
+                except Exception as exc:  # noqa: BLE001 - handed to the waiting thread
+                    done.set_exception(exc)
+
+            loop.call_soon_threadsafe(read)
+            live = done.result(timeout_s)
+        return live + [m for metric in self._instruments for m in metric.collect()]
+
+    def _live(self) -> list[Metric]:
+        return [fam.metric() for fn in self._families.functions for fam in fn()]
 
     def render(self) -> str:
         """Prometheus text exposition 0.0.4."""
@@ -201,9 +233,15 @@ class Registry:
         that owns the state they read (the event loop); the function returned formats them
         with the library's instruments (thread-safe), and may run on a worker thread, so
         that formatting a large scrape (~250 ms at 100 tenants) does not hold the loop."""
-        live = [fam.metric() for fn in self._families.functions for fam in fn()]
-        frozen = _Frozen(self._instruments, live)
+        frozen = _Frozen(self._instruments, self._live())
         return lambda: generate_latest(frozen).decode()  # any object with collect() will do
+
+
+def _on(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
 
 
 class _Frozen:

@@ -153,7 +153,8 @@ class MetricsPusher:
 
     def push(self) -> bool:
         try:
-            data = metrics_data(self.registry.collect(), self.resource, self.registry.start_ns,
+            data = metrics_data(self.registry.collect_threadsafe(), self.resource,
+                                self.registry.start_ns,
                                 self.scope, self.version)
             ok = self.exporter.export(data) is MetricExportResult.SUCCESS
         except Exception:

@@ -19,6 +19,8 @@ the gateway names in ``x-sluice-tenant`` (direct callers are one anonymous tenan
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import itertools
 import logging
@@ -136,6 +138,8 @@ class ModelService:
         self.telemetry = telemetry or Telemetry.create("sluice-backend", scope="sluice.backend")
         self.tracer = self.telemetry.tracer
         self.metrics = ServerMetrics(self.telemetry.registry)
+        with contextlib.suppress(RuntimeError):  # built on its loop: the OTLP push reads there
+            self.telemetry.registry.bind_loop(asyncio.get_running_loop())
         self.metrics.bind(engine.state, lambda: self.num_inflight)
         trims = (lambda: trimmer.trims) if trimmer is not None else (lambda: 0)
         self.metrics.bind_tokenize(self.tokenize_pool.snapshot, trims)

@@ -437,3 +437,32 @@ def test_render_later_reads_live_state_now_and_formats_anywhere() -> None:
     t.join(10)
     assert out[0] == reg.render().replace("depth 9.0", "depth 1.0")
     assert "depth 1.0" in out[0] and 'x_total{tenant="a"} 2.0' in out[0]
+
+
+def test_the_otlp_push_reads_live_state_on_the_loop_that_owns_it() -> None:
+    """The scrape-time families read loop-owned state: from the pusher's thread they are
+    read on the bound loop, the library's instruments on the calling thread."""
+    import asyncio
+    import threading
+
+    reg = Registry()
+    reg.counter("x_total", "x").inc(by=3)
+    seen: list[str] = []
+
+    def live() -> list[Family]:
+        seen.append(threading.current_thread().name)
+        return [Family("depth", "gauge", "d").add(1)]
+
+    reg.collector(live)
+
+    async def main() -> list[str]:
+        reg.bind_loop(asyncio.get_running_loop())
+        got = await asyncio.to_thread(reg.collect_threadsafe)
+        return [m.name for m in got]
+
+    names = asyncio.run(main())
+    assert names == ["depth", "x"]  # as collect() orders them: families first
+    assert seen == [threading.main_thread().name]  # read on the loop's thread
+    # the loop is gone: read directly, on the caller's thread
+    got = [m.name for m in reg.collect_threadsafe()]
+    assert got == ["depth", "x"] and len(seen) == 2
