@@ -49,6 +49,10 @@ def rows(res: BenchResult) -> list[Row]:
     out.append(Row("TTFT ms, shared 512-token prefix: no cache / cache",
                    f"{p['cache']:.1f}", f"{p['no_cache']:.1f}",
                    f["prefix_cache_ttft_speedup"], ">= 3"))
+    c, cc = d["concurrency"], runs["concurrency"]
+    out.append(Row(f"TTFT s, {c['streams']} closed-loop streams of {c['prompt_len']}-token "
+                   "prompts: p99 / p50", f"{cc.ttft_p99:.3f}", f"{cc.ttft_p50:.3f}",
+                   f["concurrency_ttft_p99_over_p50"], "<= 2"))
     return out
 
 

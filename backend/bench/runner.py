@@ -18,7 +18,7 @@ import torch
 from backend.engine.builder import EngineParts, build_engine
 from backend.engine.config import EngineConfig
 
-from . import hf_baseline, prefix, roofline
+from . import concurrency, hf_baseline, prefix, roofline
 from .checkpoint import write_checkpoint
 from .serving import serve, warm_up
 from .settings import ROOFLINE_BATCHES, BenchSettings
@@ -136,6 +136,19 @@ def run_bench(settings: BenchSettings, device: str = "cpu", dtype: str = "bfloat
         _collect()
         progress(f"prefix cache: TTFT {ttft_on * 1e3:.1f} ms on, {ttft_off * 1e3:.1f} ms off")
 
+        # 3b. TTFT under concurrency: closed-loop streams of equal prompts.
+        parts = _engine(settings, path, device, dtype)
+        warm_up(parts, 32)
+        creqs = concurrency.closed_loop_requests(
+            settings.concurrency_requests, settings.concurrency_prompt_len,
+            settings.concurrency_output_len, w.token_id_range, settings.seed + 3)
+        res.runs["concurrency"] = cc = concurrency.serve_closed_loop(
+            parts, creqs, settings.concurrency_streams, "concurrency")
+        del parts
+        _collect()
+        progress(f"concurrency {settings.concurrency_streams}: TTFT p50 "
+                 f"{cc.ttft_p50 * 1e3:.0f} ms, p99 {cc.ttft_p99 * 1e3:.0f} ms")
+
         # 4. Static batching on the same engine (``static_batching.py``).
         parts = with_static_batching(_engine(settings, path, device, dtype))
         warm_up(parts, 32)
@@ -164,12 +177,19 @@ def run_bench(settings: BenchSettings, device: str = "cpu", dtype: str = "bfloat
             cont.tokens_per_s / hf.tokens_per_s if hf else float("nan"),
         "decode_step_over_roofline": ratios,
         "prefix_cache_ttft_speedup": ttft_off / ttft_on,
+        "concurrency_ttft_p99_over_p50": res.runs["concurrency"].ttft_p99
+        / res.runs["concurrency"].ttft_p50,
     }
     res.details.update(
         offered_load=settings.load, offered_rate_req_s=rate, calibration=_run_stats(burst),
         runs={k: _run_stats(v) for k, v in res.runs.items()},
         decode_steps=steps,
         prefix_ttft_ms={"cache": ttft_on * 1e3, "no_cache": ttft_off * 1e3},
+        concurrency={"streams": settings.concurrency_streams,
+                     "prompt_len": settings.concurrency_prompt_len,
+                     "output_len": settings.concurrency_output_len,
+                     "requests": settings.concurrency_requests,
+                     "max_num_batched_tokens": settings.max_num_batched_tokens},
         workload={"requests": w.num_requests, "prompt_len": list(w.prompt_len),
                   "output_len": list(w.output_len),
                   "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),

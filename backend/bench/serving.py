@@ -43,10 +43,10 @@ def serve(parts: EngineParts, requests: list[BenchRequest], name: str) -> RunSta
         for delta in core.step():
             if delta.finished:
                 finals[delta.request_id] = delta
-    return _stats(name, requests, finals, start)
+    return finished_stats(name, requests, finals, start)
 
 
-def _stats(name: str, requests: list[BenchRequest], finals: dict[str, OutputDelta],
+def finished_stats(name: str, requests: list[BenchRequest], finals: dict[str, OutputDelta],
            start: float) -> RunStats:
     missing = [r.request_id for r in requests if r.request_id not in finals]
     if missing:

@@ -31,6 +31,11 @@ class BenchSettings:
     prefix_requests: int
     run_hf: bool = True
     seed: int = 0
+    # TTFT under concurrency (concurrency.py): closed-loop streams, equal prompts
+    concurrency_streams: int = 32
+    concurrency_prompt_len: int = 128
+    concurrency_output_len: int = 64
+    concurrency_requests: int = 128
 
 
 FULL = BenchSettings(
@@ -47,6 +52,7 @@ QUICK = BenchSettings(
     load=1.0, max_num_seqs=64, max_num_batched_tokens=256, kv_memory_gib=0.25,
     roofline_ctx=128, roofline_steps=8, roofline_rounds=3,
     prefix_system_len=512, prefix_suffix_len=(8, 32), prefix_requests=4,
+    concurrency_output_len=16, concurrency_requests=64,
 )
 
 # For tests: every piece on a tiny model, seconds in all.
@@ -56,4 +62,6 @@ TEST = BenchSettings(
     load=1.0, max_num_seqs=32, max_num_batched_tokens=64, kv_memory_gib=0.02,
     roofline_ctx=16, roofline_steps=2, roofline_rounds=2,
     prefix_system_len=64, prefix_suffix_len=(2, 6), prefix_requests=2,
+    concurrency_streams=4, concurrency_prompt_len=8, concurrency_output_len=2,
+    concurrency_requests=8,
 )

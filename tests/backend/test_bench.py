@@ -33,6 +33,7 @@ TARGET_KEYS = (
     "continuous_vs_hf_generate_tokens_per_s",
     "decode_step_over_roofline",
     "prefix_cache_ttft_speedup",
+    "concurrency_ttft_p99_over_p50",
 )
 
 
@@ -80,8 +81,11 @@ def test_bench_cli_writes_every_key_finite(tmp_path: Path, monkeypatch: pytest.M
         rounds = details["decode_steps"][b]["round_ratios"]
         assert len(rounds) == TEST.roofline_rounds
         assert ratio == statistics.median(rounds)
+    assert details["runs"]["concurrency"]["output_tokens"] == \
+        TEST.concurrency_requests * TEST.concurrency_output_len
     table = capsys.readouterr().out
     assert "continuous vs static" in table and "roofline" in table
+    assert "closed-loop streams" in table
 
 
 def test_matmul_bench_times_the_three_kernels_of_every_step_matmul(tmp_path: Path) -> None:
