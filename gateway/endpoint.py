@@ -103,8 +103,9 @@ class ProxyEndpoint:
         gw: Gateway = self.app_state.gateway
         times = RequestTimes(time.monotonic())
         request_id = clean_request_id(header(scope, b"x-request-id")) or uuid.uuid4().hex
-        trace = request_trace(gw.tracer, self.route, request_id, header(scope, b"traceparent"),
-                              header(scope, b"tracestate")) if gw.telemetry.tracing else NO_TRACE
+        trace = request_trace(gw.tracer, self.kind, self.route, request_id,
+                              header(scope, b"traceparent"), header(scope, b"tracestate")) \
+            if gw.telemetry.tracing else NO_TRACE
         reply = Reply(bounded_send(send, gw.config.timeouts.client_stall_s), request_id,
                       self.route, gw.metrics, trace)
         exchange: Exchange | None = None

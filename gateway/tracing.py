@@ -30,12 +30,12 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from protocol.versions import ResolvedVersions
 from telemetry import extract
+from telemetry.genai import PROVIDER, operation_name
 
 from .errors import GatewayError
 from .resolve import Prepared
 
 _CLIENT, _INTERNAL = SpanKind.CLIENT, SpanKind.INTERNAL  # (enum lookups run Python code)
-PROVIDER = "sluice"  # gen_ai.provider.name: who serves the API to the client
 
 # phase span names (children of the request span)
 RESERVE = "sluice.admission.reserve"
@@ -46,11 +46,6 @@ BACKOFF = "sluice.retry.backoff"
 AUTH = "sluice.auth"
 RELAY = "sluice.relay"  # the answer's status line and headers go to the client
 SETTLE = "sluice.settle"
-
-
-def operation(route: str) -> str:
-    """``gen_ai.operation.name`` of a route."""
-    return "chat" if route.endswith("chat/completions") else "text_completion"
 
 
 class NoTrace:
@@ -125,13 +120,14 @@ def w3c_headers(ctx: trace.SpanContext) -> list[tuple[bytes, bytes]]:
 Phase = trace.Span | tuple[str, int, dict[str, Any] | None]
 
 
-def request_trace(tracer: trace.Tracer, route: str, request_id: str,
+def request_trace(tracer: trace.Tracer, kind: str, route: str, request_id: str,
                   traceparent_header: bytes | None, tracestate: bytes | None) -> NoTrace:
-    """The request's trace: recording, or only propagating when not sampled. The parent is
-    the client's W3C ``traceparent``, else the current span (an ASGI instrumentation's)."""
+    """The request's trace (``kind``: chat | completion): recording, or only propagating
+    when not sampled. The parent is the client's W3C ``traceparent``, else the current
+    span (an ASGI instrumentation's)."""
     parent = extract(traceparent_header.decode("latin-1") if traceparent_header else None,
                      tracestate.decode("latin-1") if tracestate else None)
-    op = operation(route)
+    op = operation_name(kind)
     root = tracer.start_span(op, parent, SpanKind.SERVER)
     if not root.is_recording():
         return Unsampled(root)

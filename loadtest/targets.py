@@ -420,3 +420,18 @@ class RedisProbe:
 
     def close(self) -> None:
         self.client.close()
+
+
+def write_plugin(root: Path, module: str, source: str, exporters: dict[str, str]) -> Path:
+    """An installed distribution written to ``root``: ``module``.py with ``source`` and its
+    dist-info, whose ``exporters`` (entry-point name -> class in the module) are SDK trace
+    exporter plugins once ``root`` is on ``sys.path`` / ``PYTHONPATH``
+    (``OTEL_TRACES_EXPORTER=<name>`` picks one). Returns ``root``."""
+    info = root / f"{module}-1.0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (root / f"{module}.py").write_text(source)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module.replace('_', '-')}\n"
+                                   "Version: 1.0\n")
+    lines = "".join(f"{name} = {module}:{cls}\n" for name, cls in exporters.items())
+    (info / "entry_points.txt").write_text(f"[opentelemetry_traces_exporter]\n{lines}")
+    return root

@@ -65,15 +65,8 @@ class NullExporter(SpanExporter):
 def null_exporter_plugin(workdir: Path) -> Path:
     """A directory to put on PYTHONPATH: an installed distribution whose trace exporter
     ``null`` (entry point group ``opentelemetry_traces_exporter``) drops every batch."""
-    root = workdir / "null-exporter"
-    info = root / "sluice_null_exporter-1.0.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (root / "sluice_null_exporter.py").write_text(NULL_EXPORTER)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sluice-null-exporter\n"
-                                   "Version: 1.0\n")
-    (info / "entry_points.txt").write_text(
-        "[opentelemetry_traces_exporter]\nnull = sluice_null_exporter:NullExporter\n")
-    return root
+    return procs.write_plugin(workdir / "null-exporter", "sluice_null_exporter", NULL_EXPORTER,
+                        {"null": "NullExporter"})
 
 
 async def saturation(targets: list[Target], rounds: int, segment_s: float,

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 Protocol = Literal["http/protobuf", "grpc"]
 PROTOCOLS: tuple[Protocol, ...] = ("http/protobuf", "grpc")
 TRACES_EXPORTERS = "opentelemetry_traces_exporter"  # the SDK's entry-point groups
+METRICS_EXPORTERS = "opentelemetry_metrics_exporter"
 SAMPLERS = "opentelemetry_traces_sampler"
 _OTLP_ENTRY = {"http/protobuf": "otlp_proto_http", "grpc": "otlp_proto_grpc"}
 

@@ -36,6 +36,7 @@ from opentelemetry.sdk.trace.sampling import Sampler
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from .config import (
+    METRICS_EXPORTERS,
     SAMPLERS,
     TRACES_EXPORTERS,
     OtlpArgs,
@@ -145,18 +146,23 @@ class CountingBatch(BatchSpanProcessor):
         super().on_end(span)
 
 
+def _entry_point(group: str, name: str) -> Any:
+    """What the SDK's entry point ``name`` of ``group`` names (checked to exist by
+    ``telemetry.config``)."""
+    return next(iter(importlib.metadata.entry_points(group=group, name=name))).load()
+
+
 def _sampler(name: str, arg: float | None) -> Sampler:
-    ep = next(iter(importlib.metadata.entry_points(group=SAMPLERS, name=name)))
-    factory = ep.load()
+    factory = _entry_point(SAMPLERS, name)
     sampler = factory(1.0 if arg is None and name.endswith("traceidratio") else arg)
     if not isinstance(sampler, Sampler):
         raise TelemetryError(f"sampler {name!r} made {sampler!r}, not a Sampler")
     return sampler
 
 
-def _exporter(name: str, otlp: OtlpArgs) -> SpanExporter:
-    ep = next(iter(importlib.metadata.entry_points(group=TRACES_EXPORTERS, name=name)))
-    cls = ep.load()
+def _exporter(group: str, name: str, otlp: OtlpArgs) -> Any:
+    """An exporter from the SDK's entry points; the OTLP ones get the file's values where
+    the environment set none (``OtlpArgs``), any other is built as its package says."""
     kwargs: dict[str, Any] = {}
     if name in ("otlp_proto_http", "otlp_proto_grpc"):
         if otlp.endpoint is not None:
@@ -167,31 +173,14 @@ def _exporter(name: str, otlp: OtlpArgs) -> SpanExporter:
             kwargs["headers"] = otlp.headers
         if otlp.timeout_s is not None:
             kwargs["timeout"] = otlp.timeout_s
-    exporter = cls(**kwargs)
+    return _entry_point(group, name)(**kwargs)
+
+
+def _span_exporter(name: str, otlp: OtlpArgs) -> SpanExporter:
+    exporter = _exporter(TRACES_EXPORTERS, name, otlp)
     if not isinstance(exporter, SpanExporter):
         raise TelemetryError(f"trace exporter {name!r} made {exporter!r}, not a SpanExporter")
     return exporter
-
-
-def _metric_exporter(name: str, otlp: OtlpArgs) -> Any:
-    kwargs: dict[str, Any] = {}
-    if otlp.endpoint is not None:
-        kwargs["endpoint"] = otlp.endpoint
-    if otlp.headers is not None:
-        kwargs["headers"] = otlp.headers
-    if otlp.timeout_s is not None:
-        kwargs["timeout"] = otlp.timeout_s
-    if name == "otlp_proto_grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
-            OTLPMetricExporter as GrpcMetricExporter,
-        )
-
-        if otlp.endpoint is not None:
-            kwargs["insecure"] = otlp.endpoint.startswith("http://")
-        return GrpcMetricExporter(**kwargs)
-    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-
-    return OTLPMetricExporter(**kwargs)
 
 
 def _resource(settings: Settings, version: str) -> Resource:
@@ -233,7 +222,7 @@ class Telemetry:
             for name in settings.exporters:
                 counts = SpanCounts()
                 self.counts.append(counts)
-                exporter = CountingExporter(_exporter(name, settings.traces_otlp), name,
+                exporter = CountingExporter(_span_exporter(name, settings.traces_otlp), name,
                                             counts)
                 provider.add_span_processor(CountingBatch(exporter))
             _OURS.add(provider)
@@ -245,8 +234,8 @@ class Telemetry:
         self.pusher: MetricsPusher | None = None
         if settings.metrics_exporter is not None:
             self.pusher = MetricsPusher(
-                self.registry, _metric_exporter(settings.metrics_exporter,
-                                                settings.metrics_otlp),
+                self.registry, _exporter(METRICS_EXPORTERS, settings.metrics_exporter,
+                                         settings.metrics_otlp),
                 settings.metrics_interval_s, self.resource, scope, self.version)
         self.registry.collector(self._self_metrics)
 

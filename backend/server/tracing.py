@@ -29,11 +29,11 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from backend.engine.outputs import OutputDelta
 from protocol.errors import ApiError
+from telemetry.genai import PROVIDER, operation_name
 
 if TYPE_CHECKING:
     from .service import Prepared
 
-PROVIDER = "sluice"  # gen_ai.provider.name
 QUEUE = "engine.queue"
 PREFILL = "engine.prefill"
 PREFILL_CHUNK = "engine.prefill.chunk"
@@ -80,23 +80,19 @@ def _error_type(err: ApiError) -> str:
     return err.code or err.type
 
 
-def operation(rec: RequestRecord) -> str:
-    """``gen_ai.operation.name``."""
-    return "chat" if rec.kind == "chat" else "text_completion"
-
-
 def span_name(rec: RequestRecord) -> str:
     """``{gen_ai.operation.name} {gen_ai.request.model}``; the operation alone when the
     request was refused before its model was accepted (a client's string does not name
     spans)."""
-    return f"{operation(rec)} {rec.p.model}" if rec.p is not None else operation(rec)
+    op = operation_name(rec.kind)
+    return f"{op} {rec.p.model}" if rec.p is not None else op
 
 
 def request_attributes(rec: RequestRecord, versions: dict[str, Any]) -> dict[str, Any]:
     """The request span's attributes (GenAI names where they exist, ``sluice.*`` else)."""
     attrs: dict[str, Any] = {
         "sluice.request.id": rec.request_id, "sluice.tenant.id": rec.tenant,
-        "gen_ai.operation.name": operation(rec), "gen_ai.provider.name": PROVIDER,
+        "gen_ai.operation.name": operation_name(rec.kind), "gen_ai.provider.name": PROVIDER,
         "http.response.status_code": rec.status, "sluice.outcome": rec.outcome, **versions,
     }
     if rec.requested_model is not None:

@@ -13,11 +13,8 @@ layout for any list of received spans.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from .otlp_sink import OtlpReceiver, ReceivedSpan
@@ -75,26 +72,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import httpx
 
-    from loadtest.targets import free_port
+    from loadtest import targets as procs
 
     with OtlpReceiver() as rx, tempfile.TemporaryDirectory() as tmp:
-        port, backend_port = free_port(), free_port()
-        env = {**os.environ, "OTEL_TRACES_EXPORTER": "otlp",
-               "OTEL_EXPORTER_OTLP_ENDPOINT": rx.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100",
-               "OTEL_TRACES_SAMPLER": "parentbased_always_on"}
-        log = Path(tmp) / "up.log"
-        with open(log, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", "up", "--port",
-                                     str(port), "--backend-port", str(backend_port),
-                                     "--log-level", "warning"], stdout=out,
-                                    stderr=subprocess.STDOUT, env=env)
+        port = procs.free_port()
+        env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": rx.endpoint,
+               "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_TRACES_SAMPLER": "parentbased_always_on"}
+        up = procs._spawn("sluice-up", [sys.executable, "-m", "sluice.cli", "up", "--port",
+                                        str(port), "--backend-port", str(procs.free_port()),
+                                        "--log-level", "warning"], port, Path(tmp), env=env)
         try:
-            deadline = time.monotonic() + 180
-            while "sluice is up" not in log.read_text(errors="replace"):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    print(log.read_text(errors="replace"), file=sys.stderr)
-                    return 1
-                time.sleep(0.2)
+            procs.wait_ready(up, "/readyz", 180)
             r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
                            headers={"authorization": "Bearer sk-demo-alpha",
                                     "x-request-id": "trace-view"},
@@ -113,8 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                             if s.attributes.get("sluice.request.id") == "trace-view")
             print(render([s for s in spans if s.trace_id == trace_id]))
         finally:
-            proc.terminate()
-            proc.wait(30)
+            up.stop()
     return 0
 
 

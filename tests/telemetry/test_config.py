@@ -23,6 +23,7 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
 from gateway.config import GatewayConfig
+from loadtest.targets import write_plugin
 from telemetry import Telemetry
 from telemetry.bench.otlp_sink import OtlpReceiver
 from telemetry.config import OtlpArgs, Settings, TelemetryConfig, TelemetryError, resolve
@@ -316,15 +317,8 @@ class StuckExporter(SpanExporter):
 
 def plugin(tmp_path: Path) -> Path:
     """An installed distribution with a trace exporter under the SDK's entry point."""
-    (tmp_path / "sluice_test_plugin.py").write_text(PLUGIN)
-    info = tmp_path / "sluice_test_plugin-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sluice-test-plugin\n"
-                                   "Version: 1.0\n")
-    (info / "entry_points.txt").write_text(
-        "[opentelemetry_traces_exporter]\nmemory = sluice_test_plugin:MemoryExporter\n"
-        "stuck = sluice_test_plugin:StuckExporter\n")
-    return tmp_path
+    return write_plugin(tmp_path, "sluice_test_plugin", PLUGIN,
+                        {"memory": "MemoryExporter", "stuck": "StuckExporter"})
 
 
 def test_an_exporter_plugin_is_chosen_by_name(tmp_path: Path,

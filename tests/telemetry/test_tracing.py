@@ -59,7 +59,7 @@ def prepared(**body: Any) -> Any:
 
 def test_a_request_is_a_server_span_named_by_the_genai_conventions() -> None:
     tracer, memory = make()
-    rt = request_trace(tracer, "/v1/chat/completions", "rid-1", PARENT.encode(), b"v=1")
+    rt = request_trace(tracer, "chat", "/v1/chat/completions", "rid-1", PARENT.encode(), b"v=1")
     assert isinstance(rt, RequestTrace) and rt.recording
     describe(rt, prepared(temperature=0.5, top_p=0.9, seed=7, n=2, stop="\n",
                           frequency_penalty=0.1, presence_penalty=0.2))
@@ -98,7 +98,7 @@ def test_a_request_is_a_server_span_named_by_the_genai_conventions() -> None:
 
 def test_a_seed_that_does_not_fit_64_bits_is_left_out() -> None:
     tracer, memory = make()
-    rt = request_trace(tracer, "/v1/completions", "rid", None, None)
+    rt = request_trace(tracer, "completion", "/v1/completions", "rid", None, None)
     describe(rt, prepared(seed=1 << 70))
     rt.finish(200, "success")
     root = by_name(memory)["text_completion m"]
@@ -108,7 +108,7 @@ def test_a_seed_that_does_not_fit_64_bits_is_left_out() -> None:
 
 def test_before_the_model_is_known_the_span_is_named_by_the_operation() -> None:
     tracer, memory = make()
-    rt = request_trace(tracer, "/v1/chat/completions", "rid", None, None)
+    rt = request_trace(tracer, "chat", "/v1/chat/completions", "rid", None, None)
     rt.event(AUTH, **{"error.type": "invalid_api_key"})
     rt.error(AuthenticationFailed("bad key"))
     rt.finish(401, "unauthorized")
@@ -127,7 +127,7 @@ def test_instant_steps_are_events_on_the_request_span_in_order() -> None:
     """Auth, the answer's start (relay) and settling are events, not spans: the request
     span carries them in the order they happened, inside its own time."""
     tracer, memory = make()
-    rt = request_trace(tracer, "/v1/chat/completions", "rid", None, None)
+    rt = request_trace(tracer, "chat", "/v1/chat/completions", "rid", None, None)
     rt.event(AUTH, **{"sluice.tenant.id": "acme"})
     rt.event(RELAY)
     rt.first_token(0.005)
@@ -148,7 +148,7 @@ def test_instant_steps_are_events_on_the_request_span_in_order() -> None:
 
 def test_phases_are_child_spans_and_the_upstream_one_is_the_next_hops_parent() -> None:
     tracer, memory = make()
-    rt = request_trace(tracer, "/v1/chat/completions", "rid", None, None)
+    rt = request_trace(tracer, "chat", "/v1/chat/completions", "rid", None, None)
     reserve = rt.start(RESERVE, {"sluice.reserved_tokens": 40})
     # a waiting phase is only a name, a start time and attributes until it ends: no span yet
     assert isinstance(reserve, tuple) and reserve[0] == RESERVE
@@ -189,7 +189,7 @@ def test_a_phase_that_never_ends_costs_no_span() -> None:
     """The queue stage ends its span only when the request did wait: one that got a slot
     at once leaves its phase unended, and nothing is exported for it."""
     tracer, memory = make()
-    rt = request_trace(tracer, "/v1/chat/completions", "rid", None, None)
+    rt = request_trace(tracer, "chat", "/v1/chat/completions", "rid", None, None)
     rt.start(QUEUE, {"sluice.queue.length": 0})
     rt.set(queue_ms=0)
     rt.finish(200, "success")
@@ -205,7 +205,7 @@ def test_the_request_span_is_current_while_the_request_is_served() -> None:
     """So that instrumentation libraries (redis, httpx) add their spans to the trace."""
     tracer, memory = make()
     before = otel_context.get_current()
-    rt = request_trace(tracer, "/v1/chat/completions", "rid", None, None)
+    rt = request_trace(tracer, "chat", "/v1/chat/completions", "rid", None, None)
     assert isinstance(rt, RequestTrace)
     inner = tracer.start_span("redis EVALSHA")  # what an instrumentation would do
     inner.end()
@@ -218,7 +218,7 @@ def test_the_request_span_is_current_while_the_request_is_served() -> None:
 
 def test_an_unsampled_request_records_nothing_but_propagates() -> None:
     tracer, memory = make(ParentBased(ALWAYS_OFF))
-    rt = request_trace(tracer, "/v1/chat/completions", "rid", None, None)
+    rt = request_trace(tracer, "chat", "/v1/chat/completions", "rid", None, None)
     assert isinstance(rt, Unsampled) and not rt.recording
     current = trace.get_current_span().get_span_context()
     [(_, value)] = rt.upstream_headers(rt.start(UPSTREAM))
@@ -229,7 +229,7 @@ def test_an_unsampled_request_records_nothing_but_propagates() -> None:
     assert not trace.get_current_span().get_span_context().is_valid
     assert memory.get_finished_spans() == ()
     # a sampled caller's decision is kept (parent based)
-    rt = request_trace(tracer, "/v1/chat/completions", "rid", PARENT.encode(), None)
+    rt = request_trace(tracer, "chat", "/v1/chat/completions", "rid", PARENT.encode(), None)
     assert isinstance(rt, RequestTrace)
     rt.finish(200, "success")
     assert len(memory.get_finished_spans()) == 1
@@ -285,16 +285,16 @@ def test_extract_of_garbage_is_none(header: str | None) -> None:
 
 def test_the_callers_tracestate_travels_upstream_sampled_or_not() -> None:
     tracer, _ = make()
-    rt = request_trace(tracer, "/v1/chat/completions", "rid", PARENT.encode(), b"vendor=abc")
+    rt = request_trace(tracer, "chat", "/v1/chat/completions", "rid", PARENT.encode(), b"vendor=abc")
     headers = dict(rt.upstream_headers(rt.start(UPSTREAM)))
     assert headers[b"tracestate"] == b"vendor=abc"
     rt.finish(200, "success")
     unsampled = PARENT[:-2] + "00"
-    rt = request_trace(tracer, "/v1/chat/completions", "rid", unsampled.encode(), b"v=1")
+    rt = request_trace(tracer, "chat", "/v1/chat/completions", "rid", unsampled.encode(), b"v=1")
     assert isinstance(rt, Unsampled)
     headers = dict(rt.upstream_headers(None))
     assert headers[b"tracestate"] == b"v=1" and headers[b"traceparent"].endswith(b"-00")
     rt.finish(200, "success")
-    rt = request_trace(tracer, "/v1/chat/completions", "rid", None, None)
+    rt = request_trace(tracer, "chat", "/v1/chat/completions", "rid", None, None)
     assert [k for k, _ in rt.upstream_headers(rt.start(UPSTREAM))] == [b"traceparent"]
     rt.finish(200, "success")
