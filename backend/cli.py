@@ -35,6 +35,9 @@ def _add_server_flags(p: argparse.ArgumentParser, *, model_default: str | None) 
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto",
                    help="auto (float32 on cpu, bfloat16 on cuda) | float32 | bfloat16 | float16")
+    p.add_argument("--quantization", default=None, choices=("int8", "int4"),
+                   help="quantize the weights at load: int8 (per output channel) or int4 "
+                        "(groups of 128); default: none (docs/engine.md)")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-memory", type=float, default=None, metavar="GiB",
                     help="KV cache budget in GiB (default: 1 GiB on CPU, 80%% of free on GPU)")
@@ -55,6 +58,13 @@ def _add_server_flags(p: argparse.ArgumentParser, *, model_default: str | None) 
                    help="step the model on a thread of the server's process instead of in "
                         "an engine process of its own (the default)")
     p.add_argument("--seed", type=int, default=0, help="seed for unseeded sampled requests")
+    p.add_argument("--speculative", default=None, metavar="ngram|draft:DIR",
+                   help="speculative decoding: ngram (prompt lookup) or a draft checkpoint "
+                        "sharing the tokenizer (default: off; docs/engine.md)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                   help="draft tokens per step at most (default 4)")
+    p.add_argument("--speculative-max-batch", type=int, default=None, metavar="N",
+                   help="speculate only while at most N sequences decode (default 8)")
     p.add_argument("--fault-step-delay", type=float, default=0.0, metavar="MS",
                    help="fault injection: sleep MS milliseconds before every engine step, "
                         "a slow model server for resilience tests and demos (default 0)")
@@ -162,7 +172,10 @@ def _backend(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache,
             seed=args.seed, served_model_name=args.served_model_name,
-            num_threads=args.threads, reserve_cores=1)
+            quantization=args.quantization,
+            num_threads=args.threads, reserve_cores=1, speculative=args.speculative,
+            num_speculative_tokens=args.num_speculative_tokens,
+            speculative_max_batch=args.speculative_max_batch)
         # The core steps in an engine process of its own, or on a thread of this one.
         transport = ThreadTransport if args.engine_in_process else ProcessTransport
         engine = AsyncEngine(transport.from_config(config, step_hook=step_hook))

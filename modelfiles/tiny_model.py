@@ -55,6 +55,13 @@ class Shape:
     heads: int
     kv_heads: int
     seed: int
+    # Write only the first this-many of the drawn layers (None: all): a draft model for
+    # speculative decoding that is the default model cut short, the same draws otherwise.
+    kept_layers: int | None = None
+
+    @property
+    def written_layers(self) -> int:
+        return self.layers if self.kept_layers is None else self.kept_layers
 
     @property
     def head_dim(self) -> int:
@@ -64,7 +71,10 @@ class Shape:
 # The default model. `small` (~10M parameters) is the same tokenizer and template with
 # shapes that make a CPU decode step cost milliseconds, so that under load the model, not
 # Python or HTTP, saturates first (`make capacity`).
-SIZES = {"tiny": Shape(64, 176, 4, 4, 2, SEED), "small": Shape(384, 1024, 6, 6, 2, 7)}
+# `tiny-draft` is `tiny`'s first layer with its embedding, final norm and head: a draft
+# model for `sluice backend --speculative draft:DIR` in front of the default model.
+SIZES = {"tiny": Shape(64, 176, 4, 4, 2, SEED), "small": Shape(384, 1024, 6, 6, 2, 7),
+         "tiny-draft": Shape(64, 176, 4, 4, 2, SEED, kept_layers=1)}
 TINY = SIZES["tiny"]
 # The lm_head is drawn wider than 1/sqrt(fan_in) so that logits spread over several units and
 # the argmax is rarely a near-tie.
@@ -138,7 +148,7 @@ def _model_config(vocab_size: int, ids: dict[str, int], shape: Shape) -> dict[st
         "vocab_size": vocab_size,
         "hidden_size": shape.hidden,
         "intermediate_size": shape.intermediate,
-        "num_hidden_layers": shape.layers,
+        "num_hidden_layers": shape.written_layers,
         "num_attention_heads": shape.heads,
         "num_key_value_heads": shape.kv_heads,
         "head_dim": shape.head_dim,
@@ -185,6 +195,9 @@ def _weights(vocab_size: int, shape: Shape) -> dict[str, np.ndarray]:
         tensors[p + "mlp.gate_proj.weight"] = linear(inter, h)
         tensors[p + "mlp.up_proj.weight"] = linear(inter, h)
         tensors[p + "mlp.down_proj.weight"] = linear(h, inter)
+    for i in range(shape.written_layers, shape.layers):  # drawn, not written
+        for name in [n for n in tensors if n.startswith(f"model.layers.{i}.")]:
+            del tensors[name]
     tensors["model.norm.weight"] = np.ones(h, dtype=np.float32)
     tensors["lm_head.weight"] = linear(vocab_size, h, gain=LM_HEAD_GAIN)
     return tensors

@@ -12,7 +12,8 @@ served or refused with a 400 naming it, never silently dropped.
 Extensions: ``priority`` (lower is more urgent), ``deadline_ms`` (the client gives up after
 it; the gateway sheds on it), the version pin ``model: "name@revision"``, and ``cache_salt``
 (the prefix-cache partition: the gateway derives it per tenant and refuses it from clients,
-the backend takes it from the gateway).
+the backend takes it from the gateway), and ``speculative: false`` (this request opts out
+of speculative decoding; ``true`` is the default and asks for nothing).
 """
 
 from __future__ import annotations
@@ -59,12 +60,12 @@ CAPABILITIES = frozenset({
     "n", "tools", "response_format", "logprobs", "logit_bias", "penalties", "top_k", "min_p",
     "repetition_penalty", "ignore_eos", "stop_token_ids", "min_tokens", "best_of", "echo",
     "suffix", "priority", "cache_salt", "continuous_usage_stats", "reasoning_effort",
-    "service_tier", "store", "metadata", "seed", "stop", "user",
+    "service_tier", "store", "metadata", "seed", "stop", "user", "speculative",
 })
 # What the bundled backend's engine serves; the backend refuses the rest.
 SLUICE_CAPABILITIES = frozenset({
     "top_k", "ignore_eos", "stop_token_ids", "priority", "cache_salt", "continuous_usage_stats",
-    "seed", "stop", "user", "n", "logprobs", "logit_bias", "penalties",
+    "seed", "stop", "user", "n", "logprobs", "logit_bias", "penalties", "speculative",
 })
 # What a generic OpenAI-compatible server is assumed to serve unless configured otherwise.
 OPENAI_CAPABILITIES = frozenset({
@@ -113,6 +114,7 @@ class GenerationRequest(BaseModel):
     priority: Int | None = None
     deadline_ms: Int | None = Field(None, ge=1)
     cache_salt: StrictStr | None = None
+    speculative: StrictBool | None = None  # false: no speculative decoding for this one
 
     @property
     def include_usage(self) -> bool:
@@ -191,6 +193,7 @@ _USES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "user": ("user", _set),
     "priority": ("priority", _set),
     "cache_salt": ("cache_salt", _set),
+    "speculative": ("speculative", lambda v: v is False),  # only opting out asks anything
 }
 
 

@@ -23,9 +23,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tiny-model", help="write the deterministic default checkpoint")
     p.add_argument("--out", required=True, help="directory to write (HF layout)")
-    p.add_argument("--size", choices=("tiny", "small"), default="tiny",
-                   help="tiny (default) or small: ~10M parameters, the same tokenizer, "
-                        "for load tests where the model must saturate before HTTP on a CPU")
+    p.add_argument("--size", choices=("tiny", "small", "tiny-draft"), default="tiny",
+                   help="tiny (default); small: ~10M parameters, the same tokenizer, "
+                        "for load tests where the model must saturate before HTTP on a CPU; "
+                        "tiny-draft: tiny's first layer, a draft model for "
+                        "--speculative draft:DIR")
     p.set_defaults(func=_tiny_model)
 
     # Each part adds its own subcommands; their modules import heavy code lazily.

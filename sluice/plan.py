@@ -11,6 +11,12 @@ the engine agree on layers, KV heads and head dimension):
   ``block_size`` tokens, as the paged engine allocates it;
 - block rounding: a sequence of n tokens holds ``ceil(n / B)`` blocks, so up to B − 1 token
   slots are allocated and unused;
+- quantized weights (``--quantization``, Sluice's own formats: ``sluice backend
+  --quantization``): every matrix, the embedding and the LM head at 1 byte a weight + a
+  float32 scale per output row (int8), or half a byte + a float32 scale per 128 weights of
+  a row (int4; an untied embedding stays int8); norms and biases stay in the model dtype.
+  The unquantized fallback's plan is made beside it, so that the capacity a fallback
+  costs is known;
 - concurrency: whole blocks divided by the blocks one sequence holds at its full length
   (input + output: the worst case the gateway reserves), at the context length and at the
   workload's length distribution;
@@ -41,6 +47,10 @@ KV_DTYPES: dict[str, int] = {
     "fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2,
     "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1,
 }
+# Sluice's weight quantization (backend/engine/quant.py): formats and the int4 group size
+QUANTIZATIONS = ("int8", "int4")
+QUANT_GROUP = 128
+_SCALE_BYTES = 4  # float32
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _POWERS = {"k": 1, "m": 2, "g": 3, "t": 4}
 
@@ -96,6 +106,29 @@ def count_parameters(cfg: ModelConfig) -> int:
     return cfg.num_hidden_layers * layer + embeddings + h  # + the final norm
 
 
+def matrix_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """[out, in] of every matrix a quantized engine stores: per layer q/k/v (one fused
+    matrix), o, gate/up (fused) and down; the LM head; the embedding unless tied (last)."""
+    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    layer = [(q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter)]
+    heads = [(cfg.vocab_size, h)] * (1 if cfg.tie_word_embeddings else 2)
+    return layer * cfg.num_hidden_layers + heads
+
+
+def quantized_weight_bytes(cfg: ModelConfig, kind: str, dtype: str) -> int:
+    """Exact bytes of a model quantized to ``kind``: the matrices' integers and scales,
+    the other parameters (norms, biases) in ``dtype``."""
+    if kind not in QUANTIZATIONS:
+        raise PlanError(f"unknown quantization {kind!r}; known: {', '.join(QUANTIZATIONS)}")
+    shapes = matrix_shapes(cfg)
+    rest = count_parameters(cfg) - sum(n * k for n, k in shapes)
+    int8 = shapes if kind == "int8" else shapes[-1:] if not cfg.tie_word_embeddings else []
+    int4 = shapes[:len(shapes) - len(int8)]
+    matrices = sum(n * k + n * _SCALE_BYTES for n, k in int8) + sum(
+        -(-n * k // 2) + n * -(-k // QUANT_GROUP) * _SCALE_BYTES for n, k in int4)
+    return matrices + math.ceil(rest * weight_bytes_per_param(dtype))
+
+
 def kv_bytes_per_token(cfg: ModelConfig, element_bytes: int) -> int:
     """``2 · L · H_kv · d_head · b``: K and V of one token across every layer."""
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * element_bytes
@@ -145,6 +178,8 @@ class PlanInput:
     replicas: int = 1
     utilization: float = 0.90  # share of GPU memory the engine may use (vLLM's default)
     sequences: int | None = None  # also size this many unshared sequences at the context
+    quantization: str | None = None  # int8 | int4: Sluice's quantized weights (weight_dtype:
+    # the model dtype their norms, biases and KV cache keep)
 
 
 def resolved_kv_dtype(inp: PlanInput) -> str:
@@ -171,6 +206,14 @@ def validate(inp: PlanInput, cfg: ModelConfig) -> int:
                         f"{cfg.max_position_embeddings} positions")
     weight_bytes_per_param(inp.weight_dtype)
     kv_bytes_per_element(resolved_kv_dtype(inp))
+    if inp.quantization is not None:
+        if inp.quantization not in QUANTIZATIONS:
+            raise PlanError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                            f"not {inp.quantization!r}")
+        if inp.weight_dtype.lower() not in KV_DTYPES or inp.weight_dtype.lower() == "fp8":
+            raise PlanError(f"--quantization {inp.quantization} quantizes a bf16, fp16 or "
+                            f"fp32 model: give that dtype with --dtype, not "
+                            f"{inp.weight_dtype!r}")
     return context
 
 
@@ -212,7 +255,10 @@ class Plan:
 def make_plan(cfg: ModelConfig, inp: PlanInput, mix: LengthMix | None = None) -> Plan:
     context = validate(inp, cfg)
     params = count_parameters(cfg)
-    weights = math.ceil(params * weight_bytes_per_param(inp.weight_dtype))
+    if inp.quantization is not None:
+        weights = quantized_weight_bytes(cfg, inp.quantization, inp.weight_dtype)
+    else:
+        weights = math.ceil(params * weight_bytes_per_param(inp.weight_dtype))
     per_token = kv_bytes_per_token(cfg, kv_bytes_per_element(resolved_kv_dtype(inp)))
     usable = int(inp.gpu_bytes * inp.utilization)
     pool = usable - weights

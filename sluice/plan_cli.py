@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from modelfiles.model_config import ModelConfig
 
 from .plan import (
     GIB,
+    QUANTIZATIONS,
     LengthMix,
     Plan,
     PlanError,
@@ -91,15 +92,45 @@ def _bytes(n: int) -> str:
     return f"{n / 1024:,.1f} KiB = {n:,} B" if n >= 1024 else f"{n:,} B"
 
 
-def render(plan: Plan, cfg: ModelConfig, inp: PlanInput, gpu_text: str) -> str:
+_FORMATS = {"int8": "int8 per output channel", "int4": "int4 in groups of 128"}
+
+
+def _fallback_lines(plan: Plan, fallback: Plan, inp: PlanInput) -> list[str]:
+    """The unquantized fallback beside the quantized plan: what falling back costs."""
+    q = inp.quantization
+    first = (f"unquantized fallback ({inp.weight_dtype} weights): "
+             f"{_bytes(fallback.weight_bytes)}; KV pool {_gib(max(0, fallback.kv_pool_bytes))}"
+             f" (quantized: {_gib(max(0, plan.kv_pool_bytes))}); KV blocks "
+             f"{fallback.kv_blocks:,} (quantized: {plan.kv_blocks:,})")
+    lines = [first]
+    pairs = [(f"at {plan.context:,} tokens", plan.max_sequences_at_context,
+              fallback.max_sequences_at_context)]
+    if plan.max_sequences_at_workload is not None \
+            and fallback.max_sequences_at_workload is not None:
+        pairs.append(("at the workload's lengths", plan.max_sequences_at_workload,
+                      fallback.max_sequences_at_workload))
+    for where, quantized, unquantized in pairs:
+        ratio = f"{quantized / unquantized:.2f}x" if unquantized else "the fallback fits none"
+        lines.append(f"max concurrent sequences {where}: {q} {quantized:,}, fallback "
+                     f"{unquantized:,} ({ratio})")
+    return lines
+
+
+def render(plan: Plan, cfg: ModelConfig, inp: PlanInput, gpu_text: str,
+           fallback: Plan | None = None) -> str:
     kv_dtype = resolved_kv_dtype(inp)
     lines: list[str] = []
     add = lines.append
     add(f"model: {cfg.architecture}, {cfg.num_hidden_layers} layers, "
         f"{cfg.num_key_value_heads} KV heads x head dim {cfg.head_dim}, "
         f"{cfg.max_position_embeddings} positions")
-    add(f"weights: {plan.parameters:,} parameters x {inp.weight_dtype} = "
-        f"{_bytes(plan.weight_bytes)}")
+    if inp.quantization is not None:
+        add(f"weights: {plan.parameters:,} parameters, {_FORMATS[inp.quantization]} "
+            f"(float32 scales), norms and biases {inp.weight_dtype} = "
+            f"{_bytes(plan.weight_bytes)}")
+    else:
+        add(f"weights: {plan.parameters:,} parameters x {inp.weight_dtype} = "
+            f"{_bytes(plan.weight_bytes)}")
     add(f"KV per token ({kv_dtype}): 2 x {cfg.num_hidden_layers} x {cfg.num_key_value_heads} x "
         f"{cfg.head_dim} x {kv_bytes_per_element(kv_dtype)} B = "
         f"{_bytes(plan.kv_bytes_per_token)}")
@@ -114,6 +145,8 @@ def render(plan: Plan, cfg: ModelConfig, inp: PlanInput, gpu_text: str) -> str:
         add(f"DOES NOT FIT: the weights leave no room for one KV block "
             f"({_bytes(plan.block_bytes)}); use more memory, fewer bytes per weight, "
             "or tensor parallelism")
+        if fallback is not None:
+            lines += _fallback_lines(plan, fallback, inp)
         return "\n".join(lines)
     add(f"KV blocks: {plan.kv_blocks:,} of {plan.block_size} tokens, "
         f"{_bytes(plan.block_bytes)} each")
@@ -131,6 +164,8 @@ def render(plan: Plan, cfg: ModelConfig, inp: PlanInput, gpu_text: str) -> str:
         if plan.workload_refused_fraction:
             add(f"  {plan.workload_refused_fraction:.1%} of the workload's requests exceed "
                 f"{plan.context:,} tokens and are refused")
+    if fallback is not None:
+        lines += _fallback_lines(plan, fallback, inp)
     basis = "workload" if plan.max_sequences_at_workload is not None else "context"
     if plan.replicas == 1:
         add("replicas: 1: no headroom; a failed replica takes all capacity with it "
@@ -152,12 +187,14 @@ def _plan(args: argparse.Namespace) -> int:
         inp = PlanInput(gpu_bytes=gpu, weight_dtype=args.dtype, kv_dtype=args.kv_dtype,
                         context=args.context, block_size=args.block_size,
                         replicas=args.replicas, utilization=args.gpu_utilization,
-                        sequences=args.sequences)
+                        sequences=args.sequences, quantization=args.quantization)
         context = validate(inp, cfg)
         mix = None
         if args.workload is not None:
             mix = LengthMix.from_weighted(workload_pairs(args.workload), context)
         plan = make_plan(cfg, inp, mix)
+        fallback = None if inp.quantization is None else \
+            make_plan(cfg, replace(inp, quantization=None), mix)
     except PlanError as exc:
         print(f"sluice plan: {exc}", file=sys.stderr)
         return 2
@@ -165,10 +202,12 @@ def _plan(args: argparse.Namespace) -> int:
         out = asdict(plan)
         out.update(fits=plan.fits, weight_dtype=inp.weight_dtype,
                    kv_dtype=resolved_kv_dtype(inp), gpu_bytes=gpu,
-                   gpu_utilization=inp.utilization)
+                   gpu_utilization=inp.utilization, quantization=inp.quantization)
+        if fallback is not None:
+            out["fallback"] = {**asdict(fallback), "fits": fallback.fits}
         print(json.dumps(out, indent=2, sort_keys=True))
     else:
-        print(render(plan, cfg, inp, args.gpu_memory))
+        print(render(plan, cfg, inp, args.gpu_memory, fallback))
     return 0 if plan.fits else 1
 
 
@@ -184,6 +223,9 @@ def register(sub: Any) -> None:
                    help="share of the GPU the engine may use (default 0.90, vLLM's)")
     p.add_argument("--dtype", default="bf16",
                    help="weight dtype: bf16 (default), fp16, fp32, fp8, int8, int4")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="plan Sluice's quantized weights (`sluice backend --quantization`; "
+                        "--dtype is then the model dtype) beside the unquantized fallback")
     p.add_argument("--kv-dtype", default=None,
                    help="KV cache dtype: bf16, fp16, fp32, fp8 (default: the weights' dtype)")
     p.add_argument("--context", type=int, default=None, metavar="T",

@@ -101,3 +101,22 @@ def test_tiny_model_small_size_has_the_small_shapes_and_the_same_tokenizer(
     assert len([k for k in weights if k.endswith("mlp.up_proj.weight")]) == shape.layers
     for name in ("tokenizer.json", "chat_template.jinja"):
         assert (out / name).read_bytes() == (tiny_model_dir / name).read_bytes()
+
+
+def test_tiny_model_writes_a_draft_of_the_tiny_model(tmp_path: Path,
+                                                     tiny_model_dir: Path) -> None:
+    """`--size tiny-draft`: the tiny model's first layer, with its very embedding, final
+    norm and head (a draft for --speculative draft:DIR)."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    out = tmp_path / "draft"
+    assert main(["tiny-model", "--size", "tiny-draft", "--out", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 1
+    draft = load_file(str(out / "model.safetensors"))
+    full = load_file(str(tiny_model_dir / "model.safetensors"))
+    assert set(draft) == {k for k in full if not k.startswith("model.layers.")
+                          or k.startswith("model.layers.0.")}
+    for name, tensor in draft.items():
+        assert (tensor == full[name]).all(), name

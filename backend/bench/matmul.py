@@ -32,7 +32,7 @@ import torch
 from backend.engine.decode_kernel import load_decode_kernel
 from backend.engine.fused_decode import MAX_ROWS
 from backend.engine.loader import load_model
-from backend.engine.weights import DecoderWeights, PackedMatmul
+from backend.engine.weights import DecoderWeights, Matrix, PackedMatmul
 
 from .checkpoint import FULL_MODEL, QUICK_MODEL, TEST_MODEL, ModelSpec, write_checkpoint
 
@@ -51,12 +51,20 @@ def _matmuls(weights: DecoderWeights) -> list[Matmul]:
         packed = layer.packed
         if packed is None:
             raise RuntimeError("the model's matmuls are not prepacked")
-        out += [(layer.qkv, layer.qkv_bias, packed.qkv), (layer.o, layer.o_bias, packed.o),
-                (layer.gate_up, None, packed.gate_up), (layer.down, None, packed.down)]
+        out += [(_dense(layer.qkv), layer.qkv_bias, packed.qkv),
+                (_dense(layer.o), layer.o_bias, packed.o),
+                (_dense(layer.gate_up), None, packed.gate_up),
+                (_dense(layer.down), None, packed.down)]
     if weights.lm_head_packed is None:
         raise RuntimeError("the model's LM head is not prepacked")
-    out.append((weights.lm_head, None, weights.lm_head_packed))
+    out.append((_dense(weights.lm_head), None, weights.lm_head_packed))
     return out
+
+
+def _dense(matrix: Matrix) -> torch.Tensor:
+    if not isinstance(matrix, torch.Tensor):  # quantized: backend.bench.quant times those
+        raise TypeError("the matmul bench times unquantized models")
+    return matrix
 
 
 def run(spec: ModelSpec, dtype: torch.dtype, rows: list[int], rounds: int,
@@ -143,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run(MODELS[args.model], getattr(torch, args.dtype), rows, args.rounds,
                      lambda m: print(f"[matmul] {m}", file=sys.stderr, flush=True))
-    except RuntimeError as exc:
+    except (RuntimeError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(format_table(result))

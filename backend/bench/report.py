@@ -53,6 +53,13 @@ def rows(res: BenchResult) -> list[Row]:
     out.append(Row(f"TTFT s, {c['streams']} closed-loop streams of {c['prompt_len']}-token "
                    "prompts: p99 / p50", f"{cc.ttft_p99:.3f}", f"{cc.ttft_p50:.3f}",
                    f["concurrency_ttft_p99_over_p50"], "<= 2"))
+    out.append(Row("  the burst's slowest TTFT s / its prefill bound (streams x prompt / "
+                   f"{c['prefill_tokens_per_s']:.0f} tok/s)",
+                   f"{c['burst_slowest_ttft_ms'] / 1e3:.3f}", f"{c['burst_bound_ms'] / 1e3:.3f}",
+                   f["concurrency_burst_ttft_over_bound"], ""))
+    out.append(Row("  TTFT s after the burst: p99 / p50", f"{c['steady_ttft_p99_ms'] / 1e3:.3f}",
+                   f"{c['steady_ttft_p50_ms'] / 1e3:.3f}",
+                   f["concurrency_steady_ttft_p99_over_p50"], ""))
     return out
 
 

@@ -144,10 +144,16 @@ def run_bench(settings: BenchSettings, device: str = "cpu", dtype: str = "bfloat
             settings.concurrency_output_len, w.token_id_range, settings.seed + 3)
         res.runs["concurrency"] = cc = concurrency.serve_closed_loop(
             parts, creqs, settings.concurrency_streams, "concurrency")
+        prefill_tps = concurrency.prefill_rate(parts, settings.concurrency_prompt_len,
+                                        w.token_id_range)
+        cc_tail = concurrency.tail(cc, settings.concurrency_streams,
+                                   settings.concurrency_prompt_len, prefill_tps)
         del parts
         _collect()
         progress(f"concurrency {settings.concurrency_streams}: TTFT p50 "
-                 f"{cc.ttft_p50 * 1e3:.0f} ms, p99 {cc.ttft_p99 * 1e3:.0f} ms")
+                 f"{cc.ttft_p50 * 1e3:.0f} ms, p99 {cc.ttft_p99 * 1e3:.0f} ms; burst slowest "
+                 f"{cc_tail.burst_slowest_s * 1e3:.0f} ms, bound "
+                 f"{cc_tail.burst_bound_s * 1e3:.0f} ms (prefill {prefill_tps:.0f} tok/s)")
 
         # 4. Static batching on the same engine (``static_batching.py``).
         parts = with_static_batching(_engine(settings, path, device, dtype))
@@ -179,6 +185,8 @@ def run_bench(settings: BenchSettings, device: str = "cpu", dtype: str = "bfloat
         "prefix_cache_ttft_speedup": ttft_off / ttft_on,
         "concurrency_ttft_p99_over_p50": res.runs["concurrency"].ttft_p99
         / res.runs["concurrency"].ttft_p50,
+        "concurrency_burst_ttft_over_bound": cc_tail.burst_over_bound,
+        "concurrency_steady_ttft_p99_over_p50": cc_tail.steady_p99_over_p50,
     }
     res.details.update(
         offered_load=settings.load, offered_rate_req_s=rate, calibration=_run_stats(burst),
@@ -189,7 +197,12 @@ def run_bench(settings: BenchSettings, device: str = "cpu", dtype: str = "bfloat
                      "prompt_len": settings.concurrency_prompt_len,
                      "output_len": settings.concurrency_output_len,
                      "requests": settings.concurrency_requests,
-                     "max_num_batched_tokens": settings.max_num_batched_tokens},
+                     "max_num_batched_tokens": settings.max_num_batched_tokens,
+                     "prefill_tokens_per_s": prefill_tps,
+                     "burst_slowest_ttft_ms": cc_tail.burst_slowest_s * 1e3,
+                     "burst_bound_ms": cc_tail.burst_bound_s * 1e3,
+                     "steady_ttft_p50_ms": cc_tail.steady_p50_s * 1e3,
+                     "steady_ttft_p99_ms": cc_tail.steady_p99_s * 1e3},
         workload={"requests": w.num_requests, "prompt_len": list(w.prompt_len),
                   "output_len": list(w.output_len),
                   "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),

@@ -216,6 +216,23 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
+        seq.num_draft_computed_tokens = 0
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks of a running sequence past those ``num_tokens`` need (the
+        positions reserved for rejected drafts, ``Scheduler.accept``). They were taken for
+        this sequence alone and hold nothing cached."""
+        keep = max(self.blocks_needed(num_tokens), seq.num_committed_blocks)
+        while len(seq.block_table) > keep:
+            block = seq.block_table.pop()
+            ref = self.ref_counts[block] - 1
+            if ref < 0:
+                raise RuntimeError(f"block {block} freed more often than taken")
+            self.ref_counts[block] = ref
+            if ref == 0:
+                if self._block_hash[block] is not None:
+                    self._unregister(block)
+                self._free.append(block)
 
     def _pop_free(self) -> int:
         if self._free:

@@ -25,13 +25,15 @@ from .block_manager import BlockManager
 from .config import EngineConfig, resolve_model_path
 from .decode_kernel import load_decode_kernel
 from .detokenizer import IncrementalDetokenizer
+from .draft import DraftProposer, load_draft
 from .engine import LLMEngine, StepHook
 from .errors import InvalidRequestError
-from .kv_cache import allocate_kv_cache, kv_bytes_per_block, num_blocks_for_memory
-from .loader import load_model
+from .kv_cache import allocate_kv_cache, kv_bytes_per_block
 from .model_runner import ModelRunner
 from .models.linear import can_prepack
+from .quant_artifact import load_weights
 from .scheduler import Scheduler
+from .spec import NgramProposer, Proposer
 from .transport import EngineInfo
 from .versions import engine_version, prefix_cache_salt
 
@@ -121,18 +123,26 @@ def build_engine(config: EngineConfig, *, step_hook: StepHook | None = None) -> 
         # Process-wide: the engine owns its process's CPU math (server, bench).
         torch.set_num_threads(threads)
     path, name = resolve_model_path(config)
-    loaded = load_model(path, dtype, device)
+    # weight quantization (quant.py) at load, or a quantized artifact (quant_artifact.py):
+    # named in the engine version, and so in the prefix-cache salt
+    loaded, quantization = load_weights(path, dtype, device, config.quantization)
+    quant = () if quantization is None else (quantization,)
     mcfg = loaded.config
     if can_prepack(device):
         loaded.model.prepack_cpu_matmuls()
     if device.type == "cpu" and config.decode_kernel:
         loaded.model.set_decode_kernel(load_decode_kernel(), fused=config.fused_decode)
     tokenizer = Tokenizer.from_dir(path)
+    spec = config.spec
+    draft = None if spec is None or spec.draft_model is None else \
+        load_draft(spec.draft_model, mcfg, dtype, device, config)
+    features = () if spec is None else (
+        spec.describe(None if draft is None else model_revision(draft.path)),)
     versions = ResolvedVersions(name, ServedVersions(
         revision=model_revision(path),
         tokenizer=tokenizer.sha256,
         chat_template=tokenizer.chat_template_sha256,
-        engine=engine_version(),
+        engine=engine_version(*quant, *features),
     ))
     model_len = mcfg.max_position_embeddings
     if config.max_model_len is not None:
@@ -143,18 +153,27 @@ def build_engine(config: EngineConfig, *, step_hook: StepHook | None = None) -> 
         model_len = config.max_model_len
     bs = config.block_size
     per_block = kv_bytes_per_block(mcfg, bs, dtype)
+    # a draft model keeps its K/V in blocks of its own, one per target block (draft.py)
+    both = per_block + (0 if draft is None else kv_bytes_per_block(draft.config, bs, dtype))
     if config.kv_blocks is not None:
         num_blocks = config.kv_blocks
     elif config.kv_memory_gib is not None:
-        num_blocks = num_blocks_for_memory(mcfg, bs, dtype, config.kv_memory_gib)
+        num_blocks = int(config.kv_memory_gib * (1 << 30)) // both
     else:
-        num_blocks = _default_num_blocks(config, mcfg, dtype, device, model_len, per_block)
+        num_blocks = _default_num_blocks(config, mcfg, dtype, device, model_len, both)
     if num_blocks < 1:
         raise InvalidRequestError("the KV budget holds no block", "kv_memory_gib")
     # A request must be able to run alone: cap the context length to the KV capacity.
     max_model_len = min(model_len, num_blocks * bs)
     kv = allocate_kv_cache(mcfg, num_blocks, bs, dtype, device)
     runner = ModelRunner(loaded.model, kv, bs, device)
+    proposer: Proposer | None = None
+    if draft is not None:
+        draft_kv = allocate_kv_cache(draft.config, num_blocks, bs, dtype, device)
+        proposer = DraftProposer(ModelRunner(draft.model, draft_kv, bs, device),
+                                 runner.argmax)
+    elif spec is not None:
+        proposer = NgramProposer()
     eos = tokenizer.eos_token_ids or tuple(mcfg.eos_token_ids)
     scheduler = Scheduler(
         BlockManager(num_blocks, bs, config.enable_prefix_cache),
@@ -162,6 +181,8 @@ def build_engine(config: EngineConfig, *, step_hook: StepHook | None = None) -> 
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=max_model_len,
         aging_s=config.aging_s,
+        num_spec_tokens=0 if spec is None else spec.num_tokens,
+        spec_max_batch=0 if spec is None else spec.max_batch,
     )
     core = LLMEngine(
         runner=runner,
@@ -172,6 +193,7 @@ def build_engine(config: EngineConfig, *, step_hook: StepHook | None = None) -> 
         make_salt=functools.partial(prefix_cache_salt, versions),
         seed=config.seed,
         step_hook=step_hook,
+        proposer=proposer,
     )
     log.info("engine ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens "
              "max_model_len=%d cpu_threads=%d", name, device, dtype, num_blocks, bs,
@@ -188,5 +210,5 @@ def _default_num_blocks(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dt
         return int(free * DEFAULT_CUDA_KV_FRACTION) // per_block
     # On the CPU, enough for every sequence slot at full length, within a default budget.
     wanted = config.max_num_seqs * (-(-model_len // config.block_size))
-    budget = num_blocks_for_memory(mcfg, config.block_size, dtype, DEFAULT_CPU_KV_GIB)
+    budget = int(DEFAULT_CPU_KV_GIB * (1 << 30)) // per_block
     return max(1, min(wanted, budget))

@@ -9,6 +9,55 @@ from modelfiles.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
 
 from .errors import InvalidRequestError
 
+METHODS = ("ngram", "draft")
+MAX_SPEC_TOKENS = 16
+# Decoding batches above this many sequences do not speculate (the step is compute-bound
+# there; ``python -m backend.bench.spec`` measures where the gain ends).
+DEFAULT_MAX_BATCH = 8
+
+
+@dataclass(slots=True, frozen=True)
+class SpecConfig:
+    """How an engine speculates: ``method`` ngram or draft (with ``draft_model``, a
+    checkpoint directory), ``num_tokens`` (K) drafts a step at most, and the largest
+    decoding batch that still speculates."""
+
+    method: str
+    num_tokens: int = 4
+    draft_model: str | None = None
+    max_batch: int = DEFAULT_MAX_BATCH
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise InvalidRequestError(
+                f"speculative must be ngram or draft:DIR, got {self.method!r}", "speculative")
+        if (self.method == "draft") != bool(self.draft_model):
+            raise InvalidRequestError("speculative draft needs a checkpoint: draft:DIR",
+                                      "speculative")
+        if not isinstance(self.num_tokens, int) or not 1 <= self.num_tokens <= MAX_SPEC_TOKENS:
+            raise InvalidRequestError(
+                f"num_speculative_tokens must be in 1..{MAX_SPEC_TOKENS}",
+                "num_speculative_tokens")
+        if not isinstance(self.max_batch, int) or self.max_batch < 1:
+            raise InvalidRequestError("speculative_max_batch must be >= 1",
+                                      "speculative_max_batch")
+
+    @classmethod
+    def parse(cls, value: str, num_tokens: int = 4,
+              max_batch: int | None = None) -> SpecConfig:
+        """``ngram`` or ``draft:DIR``, as ``--speculative`` takes it."""
+        method, _, model = value.partition(":")
+        return cls(method=method, num_tokens=num_tokens, draft_model=model or None,
+                   max_batch=DEFAULT_MAX_BATCH if max_batch is None else max_batch)
+
+    def describe(self, draft_revision: str | None = None) -> str:
+        """The config as the engine's version names it (``versions.engine_version``):
+        ``spec-ngram-k4-b8``, or ``spec-draft.<revision, 12 hex>-k4-b8``."""
+        what = self.method if draft_revision is None else f"draft.{draft_revision[:12]}"
+        return f"spec-{what}-k{self.num_tokens}-b{self.max_batch}"
+# Weight-only quantization formats (quant.py): int8 per output channel, int4 in groups of 128.
+QUANTIZATIONS = ("int8", "int4")
+
 
 @dataclass(slots=True, frozen=True)
 class EngineConfig:
@@ -34,8 +83,29 @@ class EngineConfig:
     # CPU, with the kernel: steps where every sequence decodes run fused in C
     fused_decode: bool = True
     served_model_name: str | None = None
+    # weight-only quantization at load (quant.py): None, "int8" or "int4"
+    quantization: str | None = None
+    # speculative decoding (spec.py): None, "ngram" or "draft:DIR"; K; the largest
+    # decoding batch that speculates (None: DEFAULT_MAX_BATCH)
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    speculative_max_batch: int | None = None
+
+    @property
+    def spec(self) -> SpecConfig | None:
+        if self.speculative is None:
+            return None
+        return SpecConfig.parse(self.speculative, self.num_speculative_tokens,
+                                self.speculative_max_batch)
 
     def __post_init__(self) -> None:
+        if self.speculative is not None and not isinstance(self.speculative, str):
+            raise InvalidRequestError("speculative must be ngram or draft:DIR", "speculative")
+        _ = self.spec  # validates
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise InvalidRequestError(
+                f"unknown quantization {self.quantization!r}; use one of "
+                f"{', '.join(QUANTIZATIONS)} (or none: the checkpoint's dtype)", "quantization")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise InvalidRequestError("block_size must be a positive power of two", "block_size")
         if self.kv_memory_gib is not None and self.kv_blocks is not None:

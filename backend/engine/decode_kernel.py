@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from . import fused_decode
+from .quant import QuantizedWeight
 from .weights import DecoderWeights
 
 log = logging.getLogger("sluice.engine")
@@ -362,6 +363,17 @@ class DecodeKernel:
                 or not fused_decode.FusedDecoder.supports(weights):
             return None
         return fused_decode.FusedDecoder(self._lib, weights)
+
+    def quantized_matmul(self, weight: QuantizedWeight,
+                         bias: torch.Tensor | None) -> fused_decode.QuantizedMatmul | None:
+        """The C matmul of a quantized matrix (``quant_kernels.c``); None where this build
+        (no AVX2) or the matrix (device, layout) cannot use it."""
+        if not hasattr(self._lib, "fused_available") or weight.device.type != "cpu" \
+                or not weight.is_contiguous() or weight.shape[1] % 8 or (
+                    bias is not None and (bias.dtype not in (torch.bfloat16, torch.float32)
+                                          or not bias.is_contiguous())):
+            return None
+        return fused_decode.QuantizedMatmul(self._lib, weight, bias)
 
     def supports(self, cache: torch.Tensor) -> bool:
         return cache.device.type == "cpu" and cache.dtype in self._fns \

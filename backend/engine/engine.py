@@ -18,6 +18,7 @@ the request's last one (the last choice to end) is ``finished``.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -31,7 +32,22 @@ from .sampler import Argmax, make_generator, sample, token_logprobs, torch_argma
 from .sampling import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import FinishReason, Sequence, SequenceStatus
+from .spec import Draft, Proposer, SpecStats, verify
 from .stop import StopStringMatcher
+
+
+def _merge(deltas: list[OutputDelta]) -> OutputDelta:
+    """One delta for several tokens of one choice made in one step (the last one's
+    status, every token's text, ids, times and logprobs)."""
+    last = deltas[-1]
+    if len(deltas) == 1:
+        return last
+    lps = None if last.logprobs is None else tuple(
+        lp for d in deltas for lp in (d.logprobs or ()))
+    return dataclasses.replace(
+        last, text="".join(d.text for d in deltas),
+        token_ids=tuple(t for d in deltas for t in d.token_ids),
+        token_times=tuple(t for d in deltas for t in d.token_times), logprobs=lps)
 
 
 class Detokenizer(Protocol):
@@ -89,9 +105,13 @@ class LLMEngine:
         make_salt: Callable[[str | None], bytes],
         seed: int = 0,
         step_hook: StepHook | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         self.runner = runner
         self.step_hook = step_hook
+        # speculative decoding (spec.py): the scheduler reserves draft slots, this drafts
+        self.proposer = proposer
+        self.spec_stats = SpecStats()
         # the runner's native argmax for greedy rows, where it has one
         self._argmax: Argmax = getattr(runner, "argmax", None) or torch_argmax
         self.scheduler = scheduler
@@ -209,11 +229,37 @@ class LLMEngine:
             self.step_hook()
         if out.copies:  # copy on write of forked blocks, before the model writes into them
             self.runner.copy_blocks(out.copies)
+            if self.proposer is not None:
+                self.proposer.copy_blocks(out.copies)
+        drafts = self._propose(out.chunks)
         logits = self.runner.execute(out.chunks)
         now = self.clock()
         self.steps += 1
         self.scheduler.on_step_done(out, started, now)
-        sampling = [c.seq for c in out.chunks if c.samples]
+        chunks = [c for c in out.chunks if c.samples]
+        if not drafts:
+            deltas = self._sample([c.seq for c in chunks], logits, now)
+        else:  # rows: one per plain chunk, 1 + m per chunk with m drafts
+            plain: list[int] = []
+            spec: list[tuple[ScheduledChunk, int]] = []
+            row = 0
+            for c in chunks:
+                if c.draft:
+                    spec.append((c, row))
+                else:
+                    plain.append(row)
+                row += 1 + len(c.draft)
+            deltas = self._sample([c.seq for c in chunks if not c.draft],
+                                  logits[plain], now) if plain else []
+            deltas += self._verify(spec, drafts, logits, now)
+        for c in out.chunks:
+            if c.num_spec and not c.draft:  # reserved, but nothing was drafted
+                self.scheduler.accept(c.seq, 0, 0)
+        return deltas
+
+    def _sample(self, sampling: list[Sequence], logits: torch.Tensor,
+                now: float) -> list[OutputDelta]:
+        """One token for each sequence, from its row of ``logits``."""
         if any(s.awaits_fork for s in sampling):
             sampling, logits = self._fork(sampling, logits)
         params = [s.params for s in sampling]
@@ -223,6 +269,55 @@ class LLMEngine:
         lps = token_logprobs(logits, params, tokens)
         return [self._append_token(seq, tok, now, lp)
                 for seq, tok, lp in zip(sampling, tokens, lps)]
+
+    def _propose(self, chunks: list[ScheduledChunk]) -> dict[int, Draft]:
+        """Drafts for the chunks the scheduler reserved draft slots for, by chunk id; each
+        such chunk's ``draft`` is set."""
+        reserved = [c for c in chunks if c.num_spec]
+        if not reserved or self.proposer is None:
+            return {}
+        began = self.clock()
+        found = self.proposer.propose(reserved, [self._generator(c.seq) for c in reserved])
+        self.spec_stats.draft_seconds += self.clock() - began
+        drafts: dict[int, Draft] = {}
+        for c, d in zip(reserved, found):
+            c.draft = d.tokens[:c.num_spec]
+            if c.draft:
+                drafts[id(c)] = d
+        return drafts
+
+    def _verify(self, spec: list[tuple[ScheduledChunk, int]], drafts: dict[int, Draft],
+                logits: torch.Tensor, now: float) -> list[OutputDelta]:
+        """Accept each chunk's drafts by the exact rule (``spec.verify``) and emit the
+        tokens: one delta per sequence for all the tokens its step produced."""
+        rows = [r for c, start in spec for r in range(start, start + 1 + len(c.draft))]
+        x = logits[rows]
+        seqs = [c.seq for c, _ in spec]
+        params = [s.params for s in seqs]
+        results = verify(x, [drafts[id(c)] for c, _ in spec], params,
+                         [self._generator(s) for s in seqs], self._argmax)
+        stats = self.spec_stats
+        deltas: list[OutputDelta] = []
+        at = 0
+        for (c, _), (toks, accepted), p in zip(spec, results, params):
+            # each emitted token's logprobs come from its own row (rows 0..accepted)
+            lps = token_logprobs(x[at:at + len(toks)], [p] * len(toks), toks)
+            at += 1 + len(c.draft)
+            stats.proposed += len(c.draft)
+            stats.accepted += accepted
+            stats.verified += 1
+            seq = c.seq
+            mine: list[OutputDelta] = []
+            for tok, lp in zip(toks, lps):
+                mine.append(self._append_token(seq, tok, now, lp))
+                if seq.status is SequenceStatus.FINISHED:
+                    break
+            stats.emitted += len(mine)
+            deltas.append(_merge(mine))
+            if self.proposer is not None:
+                self.proposer.after_verify(c, accepted)
+            self.scheduler.accept(seq, accepted, len(c.draft))
+        return deltas
 
     def _fork(self, sampling: list[Sequence],
               logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
@@ -346,7 +441,23 @@ class LLMEngine:
             generated_tokens=self.generated_tokens,
             aborted=self.aborted,
             max_tokens_after_abort=self.max_tokens_after_abort,
+            weight_bytes=self._weight_bytes(),
+            spec_proposed_tokens=self.spec_stats.proposed,
+            spec_accepted_tokens=self.spec_stats.accepted,
+            spec_verify_steps=self.spec_stats.verified,
+            spec_emitted_tokens=self.spec_stats.emitted,
+            spec_draft_seconds=self.spec_stats.draft_seconds,
         )
+
+    def _weight_bytes(self) -> int:
+        """The weights the engine holds: the model's, and the draft model's (0 for a
+        runner without a model, as in tests)."""
+        total = 0
+        for runner in (self.runner, getattr(self.proposer, "runner", None)):
+            model = getattr(runner, "model", None)
+            if model is not None:
+                total += int(model.weight_bytes())
+        return total
 
     def status_of(self, request_id: str) -> SequenceStatus | None:
         seq = self.scheduler.get(request_id)

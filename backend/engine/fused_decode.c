@@ -9,6 +9,8 @@ typedef struct {
     const void* qkv_w; const void* qkv_b; const void* o_w; const void* o_b;
     const void* gate_up_w; const void* down_w; const void* in_norm; const void* post_norm;
     void* k_cache; void* v_cache;
+    /* quantized models (FusedModel.quant): the matrices' scales (quant_kernels.c) */
+    const float* qkv_s; const float* o_s; const float* gate_up_s; const float* down_s;
 } FusedLayer;
 
 typedef struct {
@@ -18,6 +20,11 @@ typedef struct {
     const void* embed;
     const void* final_norm;
     const FusedLayer* layer;
+    /* 0: the matrices in the model dtype (bf16); 1: int8, 2: int4 (quant_kernels.c;
+       norms, biases and caches stay in the model dtype) */
+    int64_t quant;
+    const float* embed_s;
+    int64_t embed_quant;  /* the embedding's own format (int4 models keep it in int8) */
 } FusedModel;
 
 static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does */
@@ -30,6 +37,18 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torc
 static inline float load1(const void* p, int64_t i, int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
 }
+
+/* Quantized matrices (q = 1 int8, 2 int4), defined in quant_kernels.c (appended to this
+   source): the dot way, and rows dequantized to float32 (scales applied). */
+static void gemm_dot_q(const float* x, int64_t m0, int64_t mm, int64_t K, const void* w,
+                       const float* scale, int q, const void* bias, int bf16, float* y,
+                       int64_t N, int64_t r0, int64_t r1, int acc);
+static void dequant_rows(const void* w, const float* scale, int q, int64_t K, int64_t r0,
+                         int64_t r1, float* out);
+static void dequant_tile(const void* w, int q, int64_t K, int64_t t0, int64_t t1,
+                         uint16_t* wt);
+static void quant_tile_pass(const float* xp, int64_t K, const uint16_t* wt,
+                            const float* scale, int q, int64_t t0, int64_t t1, float* out);
 
 /* This thread's share [lo, hi) of n items, in multiples of `align`. */
 static inline void share(int64_t n, int64_t align, int64_t* lo, int64_t* hi) {
@@ -232,6 +251,12 @@ static void gemm_dot(const float* x, int64_t m0, int64_t mm, int64_t K, const vo
    the bench model (2 threads) 16 inputs take 7.6 ms in one wide pass against 10.6 ms the
    dot way, 12 inputs 7.6 against 8.7, 8 inputs 7.6 against 7.3. */
 #define WIDE_MIN 10
+/* The same for quantized weights (quant_kernels.c), whose wide way first converts each tile:
+   the dot way, converting in registers, stays ahead to more inputs. One step's matrices of
+   the bench model, int8, in bf16's time (`python -m backend.bench.quant --matmul-rows
+   16,24,32,48` with this at 10, 32 and 64): 16 inputs 1.33x wide, 1.17x the dot way; 24:
+   1.07x the dot way; 32: 1.17x wide, 1.19-1.24x the dot way; 48: 1.11x wide, 1.29x. */
+#define QWIDE_MIN 32
 #define WIDE_TILE 96  /* weight rows per tile: 16 blocks of 6, 8-row aligned for the transposes */
 
 /* The calling thread's share of y (+)= x w^T (+ bias), x [n, K], w [N, K]. No barrier.
@@ -240,17 +265,25 @@ static void gemm_dot(const float* x, int64_t m0, int64_t mm, int64_t K, const vo
    96 weight rows (a tile stays in L2 for the next 16), from xT, this thread's copy of x
    transposed per 16 inputs ([passes][K][16], zero-padded; K * 16 * ceil(n / 16) floats);
    the outputs come back transposed through 8 x 8 blocks. Leftover inputs (n % 16 <
-   WIDE_MIN) and the share's last rows (< 24) go the dot way. */
+   WIDE_MIN) and the share's last rows (< 24) go the dot way.
+   Quantized w (q = 1 int8, 2 int4; see quant_kernels.c): bf16 is the bias's dtype; the dot
+   way dequantizes in registers, the wide way turns each tile of 96 rows once into exact
+   bf16 integers in wt (this thread's, at least WIDE_TILE * K / 2 floats) for the bf16
+   micro-kernel, and applies the scales to its sums. */
 static void gemm_share(const float* x, int64_t n, int64_t K, const void* w, const void* bias,
-                       float* y, int64_t N, int acc, int bf16, float* xT) {
+                       float* y, int64_t N, int acc, int bf16, float* xT, const float* scale,
+                       int q, float* wt) {
     int64_t r0, r1;
     /* The split depends on n and K alone, never on xT: a thread whose scratch could not be
        allocated still takes the rows the others leave it (the dot way). */
-    const int wide = n >= WIDE_MIN && K > 0;
+    const int wide = n >= (q ? QWIDE_MIN : WIDE_MIN) && K > 0;
     share(N, wide ? 24 : 8, &r0, &r1);
     if (r0 >= r1) return;
-    if (!wide || xT == NULL) {
-        gemm_dot(x, 0, n, K, w, bias, y, N, r0, r1, acc, bf16);
+#define GEMM_DOT(M0, MM, R0, R1)                                                        \
+    if (q) gemm_dot_q(x, M0, MM, K, w, scale, q, bias, bf16, y, N, R0, R1, acc);        \
+    else gemm_dot(x, M0, MM, K, w, bias, y, N, R0, R1, acc, bf16);
+    if (!wide || xT == NULL || (q && wt == NULL)) {
+        GEMM_DOT(0, n, r0, r1)
         return;
     }
     const int64_t rend = r0 + (r1 - r0) / 24 * 24;
@@ -269,9 +302,11 @@ static void gemm_share(const float* x, int64_t n, int64_t K, const void* w, cons
     float out[WIDE_TILE * 16] __attribute__((aligned(32)));
     for (int64_t t0 = r0; t0 < rend; t0 += WIDE_TILE) {
         const int64_t t1 = t0 + WIDE_TILE < rend ? t0 + WIDE_TILE : rend;
+        if (q) dequant_tile(w, q, K, t0, t1, (uint16_t*)wt);
         for (int64_t p = 0; p < passes; p++) {
             const float* xp = xT + p * K * 16;
-            for (int64_t r = t0; r < t1; r += 6) {
+            if (q) quant_tile_pass(xp, K, (const uint16_t*)wt, scale, q, t0, t1, out);
+            else for (int64_t r = t0; r < t1; r += 6) {
                 if (bf16) k6x16_bf16(xp, K, (const uint16_t*)w + r * K, out + (r - t0) * 16);
                 else k6x16_f32(xp, K, (const float*)w + r * K, out + (r - t0) * 16);
             }
@@ -294,8 +329,9 @@ static void gemm_share(const float* x, int64_t n, int64_t K, const void* w, cons
             }
         }
     }
-    if (done < n) gemm_dot(x, done, n - done, K, w, bias, y, N, r0, rend, acc, bf16);
-    if (rend < r1) gemm_dot(x, 0, n, K, w, bias, y, N, rend, r1, acc, bf16);
+    if (done < n) { GEMM_DOT(done, n - done, r0, rend) }
+    if (rend < r1) { GEMM_DOT(0, n, rend, r1) }
+#undef GEMM_DOT
 }
 
 /* Floats of xT for gemm_share: n inputs, K up to max_k. */
@@ -406,6 +442,12 @@ static float* wide_scratch(int64_t n, int64_t max_k) {
     return floats ? (float*)aligned_alloc(64, (size_t)(floats * 4 + 63) / 64 * 64) : NULL;
 }
 
+/* This thread's wt for gemm_share on quantized weights (NULL when n needs none). */
+static float* tile_scratch(int64_t n, int64_t max_k) {
+    return n < WIDE_MIN ? NULL : (float*)aligned_alloc(64, (size_t)(WIDE_TILE * max_k * 4 + 63)
+                                                              / 64 * 64);
+}
+
 static float* attention_scratch(const FusedModel* M, int64_t width) {
     const int64_t G = M->heads / M->kv_heads, D = M->head_dim;
     return (float*)malloc(sizeof(float) * (G * width * M->block_size + G * D + D));
@@ -435,31 +477,38 @@ void fused_forward(const FusedModel* M, int64_t n, const int64_t* ids, const flo
         float* tmp = acc + G * D;
         const int64_t max_k = E > H * D ? (E > I ? E : I) : (H * D > I ? H * D : I);
         float* xT = wide_scratch(n, max_k);
+        const int q = (int)M->quant;
+        float* wt = q ? tile_scratch(n, max_k) : NULL;
         const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-        for (int64_t m = tid; m < n; m += nt)
-            for (int64_t e = 0; e < E; e++) h[m * E + e] = load1(M->embed, ids[m] * E + e, bf16);
+        for (int64_t m = tid; m < n; m += nt) {
+            if (M->embed_quant)
+                dequant_rows(M->embed, M->embed_s, (int)M->embed_quant, E, ids[m], ids[m] + 1,
+                             h + m * E);
+            else for (int64_t e = 0; e < E; e++) h[m * E + e] = load1(M->embed, ids[m] * E + e, bf16);
+        }
         #pragma omp barrier
         for (int64_t l = 0; l < M->layers; l++) {
             const FusedLayer* L = M->layer + l;
             norm_rows(h, x, n, E, L->in_norm, M->eps, bf16);
             #pragma omp barrier
-            gemm_share(x, n, E, L->qkv_w, L->qkv_b, qkv, QKV, 0, bf16, xT);
+            gemm_share(x, n, E, L->qkv_w, L->qkv_b, qkv, QKV, 0, bf16, xT, L->qkv_s, q, wt);
             #pragma omp barrier
             rope_write_rows(M, L, qkv, n, cos, sin, tables, width, ctx, tmp);
             #pragma omp barrier
             attend_rows(M, L, qkv, n, tables, width, ctx, att, s, acc);
-            gemm_share(att, n, H * D, L->o_w, L->o_b, h, E, 1, bf16, xT);
+            gemm_share(att, n, H * D, L->o_w, L->o_b, h, E, 1, bf16, xT, L->o_s, q, wt);
             #pragma omp barrier
             norm_rows(h, x, n, E, L->post_norm, M->eps, bf16);
             #pragma omp barrier
-            gemm_share(x, n, E, L->gate_up_w, NULL, gu, 2 * I, 0, bf16, xT);
+            gemm_share(x, n, E, L->gate_up_w, NULL, gu, 2 * I, 0, bf16, xT, L->gate_up_s, q, wt);
             #pragma omp barrier
             silu_mul_share(gu, act, n, I);
             #pragma omp barrier
-            gemm_share(act, n, I, L->down_w, NULL, h, E, 1, bf16, xT);
+            gemm_share(act, n, I, L->down_w, NULL, h, E, 1, bf16, xT, L->down_s, q, wt);
             #pragma omp barrier
         }
         norm_rows(h, out, n, E, M->final_norm, M->eps, bf16);
+        free(wt);
         free(xT);
         free(s);
     }
@@ -472,8 +521,36 @@ void fused_linear(const float* x, int64_t n, int64_t K, const void* w, const voi
     #pragma omp parallel num_threads(nthreads)
     {
         float* xT = wide ? wide_scratch(n, K) : NULL;
-        gemm_share(x, n, K, w, bias, y, N, 0, (int)bf16, xT);
+        gemm_share(x, n, K, w, bias, y, N, 0, (int)bf16, xT, NULL, 0, NULL);
         free(xT);
+    }
+}
+
+/* y [n, N] = x [n, K] w^T (+ bias) for a quantized w (q = 1 int8, 2 int4, with its scale;
+   quant_kernels.c), bias in the model dtype (bias_bf16), any n: the quantized model's
+   matmuls outside the fused steps (prefill chunks, steps of many rows, the LM head). */
+void fused_linear_q(const float* x, int64_t n, int64_t K, const void* w, const float* scale,
+                    int64_t q, const void* bias, int64_t bias_bf16, float* y, int64_t N,
+                    int nthreads) {
+    #pragma omp parallel num_threads(nthreads)
+    {
+        float* xT = wide_scratch(n, K);
+        float* wt = tile_scratch(n, K);
+        gemm_share(x, n, K, w, bias, y, N, 0, (int)bias_bf16, xT, scale, (int)q, wt);
+        free(wt);
+        free(xT);
+    }
+}
+
+/* out [r1 - r0][K] = rows [r0, r1) of a quantized w (q = 1 int8, 2 int4) in float32, the
+   rows shared between the threads: a tile for oneDNN to multiply (QuantizedMatmul). */
+void dequant_matrix(const void* w, const float* scale, int64_t q, int64_t K, int64_t r0,
+                    int64_t r1, float* out, int nthreads) {
+    #pragma omp parallel num_threads(nthreads)
+    {
+        int64_t lo, hi;
+        share(r1 - r0, 8, &lo, &hi);
+        if (lo < hi) dequant_rows(w, scale, (int)q, K, r0 + lo, r0 + hi, out + lo * K);
     }
 }
 

@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
+from .quant import QuantizedWeight
 from .sampler import torch_argmax
-from .weights import DecoderWeights
+from .weights import DecoderWeights, Matrix
 
 # Decode steps of up to this many sequences run all in C (``FusedDecoder.forward``); larger
 # ones keep oneDNN's prepacked matmuls (``forward_packed``). One step's matmuls of the
@@ -39,12 +40,16 @@ from .weights import DecoderWeights
 # once through the C entry point: 96 rows 46.6 / 51.8, 128: 62.4 / 66.2, 256: a tie.
 MAX_ROWS = 64
 
-# The C source, compiled by ``decode_kernel.load_decode_kernel`` after the attention kernel's.
-SOURCE = (Path(__file__).with_name("fused_decode.c")).read_text()
+# The C source, compiled by ``decode_kernel.load_decode_kernel`` after the attention kernel's;
+# the quantized matmuls (``quant_kernels.c``) come after the fused steps that call them.
+SOURCE = "".join(Path(__file__).with_name(name).read_text()
+                 for name in ("fused_decode.c", "quant_kernels.c"))
 
+# ``FusedModel.quant`` in C: how the matrices and the embedding are stored
+_QUANT_CODES = {None: 0, "int8": 1, "int4": 2}
 
 _LAYER_FIELDS = ("qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "down_w", "in_norm", "post_norm",
-                 "k_cache", "v_cache")
+                 "k_cache", "v_cache", "qkv_s", "o_s", "gate_up_s", "down_s")
 
 
 class _Layer(ctypes.Structure):
@@ -57,11 +62,23 @@ class _Model(ctypes.Structure):
         "block_size", "bf16")),
         ("eps", ctypes.c_float), ("scale", ctypes.c_float),
         ("embed", ctypes.c_void_p), ("final_norm", ctypes.c_void_p),
-        ("layer", ctypes.POINTER(_Layer))]
+        ("layer", ctypes.POINTER(_Layer)), ("quant", ctypes.c_int64),
+        ("embed_s", ctypes.c_void_p), ("embed_quant", ctypes.c_int64)]
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
+def _ptr(t: torch.Tensor | QuantizedWeight | None) -> int | None:
+    """A tensor's address; a quantized matrix's data (``_scale_ptr``: its scales)."""
+    if isinstance(t, QuantizedWeight):
+        return t.data.data_ptr()
     return None if t is None else t.data_ptr()
+
+
+def _kind(t: torch.Tensor | QuantizedWeight) -> str | None:
+    return t.kind if isinstance(t, QuantizedWeight) else None
+
+
+def _scale_ptr(t: torch.Tensor | QuantizedWeight) -> int | None:
+    return t.scale.data_ptr() if isinstance(t, QuantizedWeight) else None
 
 
 def _fn(lib: ctypes.CDLL, name: str, *args: Any) -> Any:
@@ -100,10 +117,14 @@ class FusedDecoder:
         """Whether the fused step can run this decoder (dtype, shapes, layout)."""
         w = weights
         heads, kv_heads = w.num_heads, w.num_kv_heads
-        tensors = [w.embed, w.lm_head]
+        tensors: list[Matrix] = [w.embed, w.lm_head]
         for layer in w.layers:
             tensors += layer.matmuls
-        return (w.dtype in (torch.bfloat16, torch.float32)
+        # one storage format for every matrix the step multiplies with (the C struct has one
+        # flag; the embedding has its own)
+        kinds = {_kind(t) for t in tensors[1:]}
+        return (w.dtype in (torch.bfloat16, torch.float32) and len(kinds) == 1
+                and (_kind(w.embed) is None) == (kinds == {None})
                 and w.device.type == "cpu"
                 and w.head_dim % 16 == 0 and heads % kv_heads == 0
                 and heads // kv_heads in (1, 2, 4, 8)
@@ -127,12 +148,14 @@ class FusedDecoder:
             layers[i] = _Layer(
                 _ptr(lw.qkv), _ptr(lw.qkv_bias), _ptr(lw.o), _ptr(lw.o_bias),
                 _ptr(lw.gate_up), _ptr(lw.down), _ptr(lw.input_norm),
-                _ptr(lw.post_attention_norm), _ptr(k), _ptr(v))
+                _ptr(lw.post_attention_norm), _ptr(k), _ptr(v), _scale_ptr(lw.qkv),
+                _scale_ptr(lw.o), _scale_ptr(lw.gate_up), _scale_ptr(lw.down))
         k0 = kv_caches[0][0]
         self._struct = _Model(
             w.num_layers, w.hidden_size, w.intermediate_size, w.num_heads, w.num_kv_heads,
             w.head_dim, k0.shape[1], k0.shape[2], int(self.dtype == torch.bfloat16),
-            w.rms_norm_eps, w.head_dim ** -0.5, _ptr(w.embed), _ptr(w.final_norm), layers)
+            w.rms_norm_eps, w.head_dim ** -0.5, _ptr(w.embed), _ptr(w.final_norm), layers,
+            _QUANT_CODES[w.quantization], _scale_ptr(w.embed), _QUANT_CODES[_kind(w.embed)])
         self._layers, self._caches = layers, kv_caches
         return self._struct
 
@@ -186,14 +209,18 @@ class FusedDecoder:
                        tables: torch.Tensor, context_lens: torch.Tensor,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Decode step of more than ``MAX_ROWS`` sequences: the matmuls run oneDNN's
-        prepacked float32 weights (``prepack_cpu_matmuls`` first), everything between them
+        prepacked float32 weights (``prepack_cpu_matmuls`` first; a quantized model's
+        ``QuantizedMatmul``s, ``LlamaForCausalLM.quantize``), everything between them
         runs here, one call per piece: norms fused with the residual adds, rotary + K/V
         write + attention, silu * up. Same arguments and result as ``forward``."""
         w = self.weights
         struct = self._bind(kv_caches)
         threads = torch.get_num_threads()
         n, hidden, inter = input_ids.shape[0], w.hidden_size, w.intermediate_size
-        h = torch.nn.functional.embedding(input_ids, w.embed).float()
+        if isinstance(w.embed, QuantizedWeight):
+            h = w.embed.gather(input_ids)
+        else:
+            h = torch.nn.functional.embedding(input_ids, w.embed).float()
         x = torch.empty_like(h)
         att = torch.empty((n, w.q_size), dtype=torch.float32)
         act = torch.empty((n, inter), dtype=torch.float32)
@@ -234,3 +261,89 @@ class FusedDecoder:
             if tok < 0:  # a NaN row: torch's rule (the first NaN)
                 picks[i] = int(logits[i].argmax())
         return picks
+
+
+# From this many rows on, a quantized matmul dequantizes its matrix a tile of rows at a time
+# into a float32 buffer (one call's scratch, about TILE_BYTES) and multiplies it with oneDNN
+# (reordered for it), since oneDNN's large-matrix kernels outrun the C micro-kernel there.
+# One step's matrices of the bench model, int8, 2 threads, AVX-512 CPU (`python -m
+# backend.bench.quant --matmul-rows 128,512`, two runs): 128 rows 50.6 / 42.7 ms this way
+# against 49.5 / 46.8 in C; 512 rows 153.6 / 138.9 against 213.2 / 206.7 (oneDNN on the
+# prepacked float32 copy, which a quantized model does not keep: 120.3 / 113.1).
+DEQUANT_MIN_ROWS = 128
+# ... for matrices of at least this many weights: below, a tile's fixed cost (the reorder,
+# a few Python calls) outweighs the gain (`--model test --matmul-rows 130 --rounds 1`, its
+# 64-wide matrices: 1.82 ms in tiles against 0.39 ms in C)
+DEQUANT_MIN_WEIGHTS = 1 << 18
+TILE_BYTES = 4 << 20
+_PACK_FOR_ROWS = 32  # oneDNN's reorder hint, as models/linear.py packs
+
+
+class QuantizedMatmul:
+    """x [n, K] -> x W^T (+ bias) [n, N] float32 for a quantized W, any n: in C (few rows:
+    dequantized in registers; more: per tile of 96 rows, ``quant_kernels.c``), or from
+    ``DEQUANT_MIN_ROWS`` rows, per float32 tile through oneDNN. A quantized model's matmuls
+    outside the fused steps (prefill chunks, steps of many rows, the LM head)."""
+
+    def __init__(self, lib: ctypes.CDLL, weight: QuantizedWeight,
+                 bias: torch.Tensor | None) -> None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._fn = _fn(lib, "fused_linear_q", ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr, i64)
+        self._dequant = _fn(lib, "dequant_matrix", ptr, ptr, i64, i64, i64, i64, ptr)
+        self._onednn = (torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+                        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+        if weight.device.type != "cpu" or not weight.is_contiguous() or weight.shape[1] % 8 \
+                or (bias is not None and (bias.dtype not in (torch.bfloat16, torch.float32)
+                                          or not bias.is_contiguous())):
+            raise ValueError("quantized matmul: a contiguous CPU weight with K % 8 == 0 and "
+                             "a contiguous bf16 or float32 bias")
+        self.weight = weight
+        self.bias = bias
+        self._code = _QUANT_CODES[weight.kind]
+
+    def __call__(self, x: torch.Tensor, *, way: str = "auto") -> torch.Tensor:
+        """``way``: "auto" (by the rows, as above), or "c" / "tiles" (the bench's sides)."""
+        if x.dtype != torch.float32:
+            x = x.float()
+        if not x.is_contiguous():
+            x = x.contiguous()
+        n, k = x.shape
+        out_features, in_features = self.weight.shape
+        if k != in_features:
+            raise ValueError(f"quantized matmul: x has {k} columns, the weight {in_features}")
+        if self._onednn and (way == "tiles" or (way == "auto" and n >= DEQUANT_MIN_ROWS
+                                                and out_features * k >= DEQUANT_MIN_WEIGHTS)):
+            return self._by_tiles(x)
+        y = torch.empty((n, out_features), dtype=torch.float32)
+        if n:
+            b = self.bias
+            self._fn(x.data_ptr(), n, k, self.weight.data.data_ptr(),
+                     self.weight.scale.data_ptr(), self._code, _ptr(b),
+                     int(b is not None and b.dtype == torch.bfloat16), y.data_ptr(),
+                     out_features, torch.get_num_threads())
+        return y
+
+    def _by_tiles(self, x: torch.Tensor) -> torch.Tensor:
+        """Tiles of rows dequantized to float32, reordered for oneDNN and multiplied."""
+        out_features, k = self.weight.shape
+        rows = min(out_features, max(64, TILE_BYTES // (4 * k) // 8 * 8))
+        buf = torch.empty(rows * k, dtype=torch.float32)
+        bias = None if self.bias is None else self.bias.float()
+        if rows == out_features:
+            return self._tile(x, 0, rows, buf, bias)
+        y = torch.empty((x.shape[0], out_features), dtype=torch.float32)
+        for r0 in range(0, out_features, rows):
+            r1 = min(out_features, r0 + rows)
+            y[:, r0:r1] = self._tile(x, r0, r1, buf, bias)
+        return y
+
+    def _tile(self, x: torch.Tensor, r0: int, r1: int, buf: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        w, k = self.weight, self.weight.shape[1]
+        tile = buf[:(r1 - r0) * k].view(r1 - r0, k)
+        self._dequant(w.data.data_ptr(), w.scale.data_ptr(), self._code, k, r0, r1,
+                      tile.data_ptr(), torch.get_num_threads())
+        packed = torch.ops.mkldnn._reorder_linear_weight(tile, _PACK_FOR_ROWS)
+        y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            x, packed, None if bias is None else bias[r0:r1], "none", [], "")
+        return y

@@ -48,16 +48,35 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Run one step; return float32 CPU logits for the chunks that sample, in order."""
+        """Run one step; return float32 CPU logits for the chunks that sample, in order.
+
+        A chunk with drafts (``chunk.draft``, speculative decoding) runs as 1 + m decode
+        rows of its block table, one per position, and gives m + 1 rows of logits (every
+        row's K/V is written before any row attends, so row j sees the drafts before it).
+        """
         input_ids: list[int] = []
         specs: list[tuple[list[int], int, int]] = []
-        sampling: list[int] = []
-        for i, chunk in enumerate(chunks):
+        sampling: list[int] = []  # indexes into specs
+        for chunk in chunks:
             seq, start, n = chunk.seq, chunk.start, chunk.num_new_tokens
+            if chunk.draft:
+                for j, tok in enumerate([seq.token_ids[start], *chunk.draft]):
+                    input_ids.append(tok)
+                    sampling.append(len(specs))
+                    specs.append((seq.block_table, start + j, 1))
+                continue
             input_ids.extend(seq.token_ids[start:start + n])
-            specs.append((seq.block_table, start, n))
             if chunk.samples:
-                sampling.append(i)
+                sampling.append(len(specs))
+            specs.append((seq.block_table, start, n))
+        return self.run(input_ids, specs, sampling)
+
+    @torch.inference_mode()
+    def run(self, input_ids: list[int], specs: list[tuple[list[int], int, int]],
+            sampling: list[int]) -> torch.Tensor:
+        """One forward over ``specs`` ((block table, computed, new) per sequence, their
+        new tokens ``input_ids`` flat in that order); float32 CPU logits of the last new
+        token of each spec listed in ``sampling``."""
         dev = self.device
         batch = build_attention_batch(specs, self.block_size, dev)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
@@ -65,7 +84,7 @@ class ModelRunner:
         if not sampling:
             return torch.empty(0, 0)
         last = batch.last_token_indices
-        if len(sampling) < len(chunks):  # chunks mid-prefill yield no logits
+        if len(sampling) < len(specs):  # chunks mid-prefill yield no logits
             last = last.index_select(0, torch.tensor(sampling, dtype=torch.long, device=dev))
         logits = self.model.compute_logits(hidden.index_select(0, last))
         return logits.float().cpu()

@@ -88,6 +88,31 @@ class EngineState:
     generated_tokens: int
     aborted: int
     max_tokens_after_abort: int
+    # bytes of every tensor the engine holds for the model's weights (packed and quantized
+    # copies included; LlamaForCausalLM.weight_bytes)
+    weight_bytes: int = 0
+    # speculative decoding (spec.py), since start: drafts proposed and accepted, the
+    # sequence-steps that verified drafts and the tokens they produced, drafting time
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verify_steps: int = 0
+    spec_emitted_tokens: int = 0
+    spec_draft_seconds: float = 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted over proposed drafts (0 before any)."""
+        p = self.spec_proposed_tokens
+        return self.spec_accepted_tokens / p if p else 0.0
+
+    @property
+    def spec_tokens_per_step(self) -> float:
+        """Tokens a verifying sequence got per step (accepted + 1; 0 before any)."""
+        v = self.spec_verify_steps
+        return self.spec_emitted_tokens / v if v else 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out["spec_acceptance_rate"] = self.spec_acceptance_rate
+        out["spec_tokens_per_step"] = self.spec_tokens_per_step
+        return out

@@ -65,7 +65,7 @@ def sample(
     rows with penalties (the others may give an empty sequence)."""
     if not params:  # a step of prefill chunks only
         return []
-    x = _adjusted(logits, params, outputs)
+    x = adjusted_logits(logits, params, outputs)
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     if len(greedy_rows) == len(params):
         return argmax(x)
@@ -79,13 +79,13 @@ def sample(
         rows = list(range(len(params)))
     for start in range(0, len(rows), BLOCK_ROWS):
         block = rows[start:start + BLOCK_ROWS]
-        probs = _probs(x[start:start + BLOCK_ROWS], [params[i] for i in block])
+        probs = probabilities(x[start:start + BLOCK_ROWS], [params[i] for i in block])
         for j, i in enumerate(block):
             out[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]).item())
     return out
 
 
-def _adjusted(logits: torch.Tensor, params: list[SamplingParams],
+def adjusted_logits(logits: torch.Tensor, params: list[SamplingParams],
               outputs: Sequence[Sequence[int]] | None) -> torch.Tensor:
     """``logits`` with the logit bias and penalties applied (a copy; itself when no row
     has either)."""
@@ -122,7 +122,7 @@ def _adjusted(logits: torch.Tensor, params: list[SamplingParams],
     return x
 
 
-def _probs(x: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
+def probabilities(x: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
     """Softmax of the rows of ``x`` after temperature, top-k and top-p ([M, vocab])."""
     if len(ps) == 1:  # the same values with scalars: ~0.1 ms less than the tensor path
         return _probs_row(x[0], ps[0])[None]
@@ -151,7 +151,7 @@ def _probs(x: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
 
 
 def _probs_row(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """``_probs`` of one row, with Python scalars for its parameters."""
+    """``probabilities`` of one row, with Python scalars for its parameters."""
     row = row / p.temperature
     if 0 < p.top_k < row.numel():
         kth = torch.topk(row, p.top_k).values[-1]
@@ -167,7 +167,7 @@ def _probs_row(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def _put_rows(x: torch.Tensor, rows: list[int], sub: torch.Tensor) -> torch.Tensor:
-    """``x`` (a tensor of ``_probs``' own) with ``rows`` replaced by ``sub`` (``sub``
+    """``x`` (a tensor of ``probabilities``' own) with ``rows`` replaced by ``sub`` (``sub``
     itself when it is every row)."""
     if len(rows) == x.shape[0]:
         return sub

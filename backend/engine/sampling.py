@@ -20,6 +20,7 @@ class SamplingParams:
     ((token id, bias) pairs, ids unique) change the logits before greedy or random picks.
     ``logprobs``: report each output token's logprob and this many top ones (None: none).
     ``n``: how many choices to generate from one prefill of the prompt.
+    ``speculative``: False opts the request out of speculative decoding.
     """
 
     max_tokens: int = 16
@@ -35,6 +36,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
     n: int = 1
+    speculative: bool = True  # may be drafted for, where the engine speculates (spec.py)
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -56,6 +58,8 @@ class SamplingParams:
                                       "stop_token_ids")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError("ignore_eos must be a boolean", "ignore_eos")
+        if not isinstance(self.speculative, bool):
+            raise InvalidRequestError("speculative must be a boolean", "speculative")
         _check_int("n", self.n, minimum=1)
         if self.n > MAX_N:
             raise InvalidRequestError(f"n must be at most {MAX_N}", "n")

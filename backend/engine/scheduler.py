@@ -41,6 +41,17 @@ from dataclasses import dataclass, field
 from .block_manager import BlockManager
 from .sequence import MAX_PREFILL_CHUNKS, FinishReason, Sequence, SequenceStatus
 
+# Speculative decoding backs off per sequence: when its smoothed acceptance (from 0.35,
+# SPEC_SMOOTHING the weight of each step) falls below SPEC_MIN_ACCEPTANCE, it drafts
+# nothing for a pause that doubles from SPEC_PAUSE_MIN steps up to SPEC_PAUSE_MAX while
+# low acceptance lasts, and each pause ends with a one-token probe (accepted: full drafts
+# again). A drafter that never agrees costs one failed step, then one-token probes after
+# 8, 16, 32 and then every SPEC_PAUSE_MAX steps, not a K-token draft every step.
+SPEC_MIN_ACCEPTANCE = 0.2
+SPEC_SMOOTHING = 0.5  # weight of the latest step in the smoothed acceptance
+SPEC_PAUSE_MIN = 8
+SPEC_PAUSE_MAX = 64
+
 # Admission looks this far past requests that do not fit, bounding a step's work when
 # the queue is long and the KV cache is full.
 MAX_SKIPPED_PER_STEP = 32
@@ -51,6 +62,10 @@ class ScheduledChunk:
     seq: Sequence
     start: int  # first token position computed in this step
     num_new_tokens: int
+    # speculative decoding (spec.py): slots and blocks reserved for this many drafts after
+    # the decoded token, and the drafts the drafter filled in (at most num_spec)
+    num_spec: int = 0
+    draft: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
@@ -85,6 +100,8 @@ class Scheduler:
         aging_s: float = 2.0,
         watermark: float = 0.01,
         clock: Callable[[], float] = time.monotonic,
+        num_spec_tokens: int = 0,
+        spec_max_batch: int = 0,
     ) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
@@ -94,6 +111,10 @@ class Scheduler:
         # New admissions leave this many blocks free for running sequences to grow into.
         self.watermark_blocks = int(watermark * block_manager.num_blocks)
         self.clock = clock
+        # Speculative decoding: reserve this many draft slots for each speculating decode
+        # while at most spec_max_batch sequences decode (0: never).
+        self.num_spec_tokens = num_spec_tokens
+        self.spec_max_batch = spec_max_batch
         self.waiting: list[Sequence] = []  # sorted by key
         self.running: list[Sequence] = []
         self._keys: dict[str, tuple[float, int]] = {}
@@ -209,10 +230,25 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        spec = self._step_spec_tokens()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if spec and seq.num_tokens - seq.num_computed_tokens == 1:
+                num_spec = self._num_spec(seq, spec, budget)
+                # drafts never take the blocks that sequences after this one need to go on
+                # (one each at most), nor the admission watermark: no preemption for them
+                extra = self.bm.blocks_needed(seq.num_tokens + num_spec) - len(seq.block_table)
+                spare = self.bm.num_free_blocks - (len(self.running) - i - 1) \
+                    - self.watermark_blocks
+                if num_spec and extra <= spare \
+                        and self.bm.ensure(seq, seq.num_tokens + num_spec):
+                    out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, 1,
+                                                     num_spec))
+                    budget -= 1 + num_spec
+                    i += 1
+                    continue
             while not self.bm.ensure(seq, seq.num_computed_tokens + num_new):
                 victim = self.running[-1]  # least urgent, not scheduled yet this step
                 self.preempt(victim)
@@ -224,6 +260,51 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         return budget
+
+    def _step_spec_tokens(self) -> int:
+        """Drafts each speculating sequence may get this step: none when the decoding
+        batch is larger than ``spec_max_batch``."""
+        if not self.num_spec_tokens:
+            return 0
+        decoding = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
+        return self.num_spec_tokens if decoding <= self.spec_max_batch else 0
+
+    def _num_spec(self, seq: Sequence, spec: int, budget: int) -> int:
+        """Drafts to reserve for a decoding sequence: within the budget, and never past
+        its ``max_tokens`` or the context length (a step emits accepted + 1 tokens). Seeded
+        sampled requests never speculate: how many drafts a step gets depends on the batch,
+        and so would their draws, where a seed promises the same tokens in any batch."""
+        p = seq.params
+        if not p.speculative or p.penalized or (p.seed is not None and not p.greedy):
+            return 0
+        if seq.spec_pause:
+            seq.spec_pause -= 1
+            seq.spec_probe = not seq.spec_pause
+            return 0
+        return max(0, min(1 if seq.spec_probe else spec, budget - 1,
+                          p.max_tokens - seq.num_output_tokens - 1,
+                          self.max_model_len - seq.num_tokens - 1))
+
+    def accept(self, seq: Sequence, accepted: int, proposed: int) -> None:
+        """After verification: the first ``accepted`` of ``proposed`` drafts of ``seq``
+        (already in its tokens, with the target's own token after them) have their K/V
+        computed; the blocks reserved for rejected positions go back to the pool; low
+        acceptance pauses its drafting (``SPEC_MIN_ACCEPTANCE``)."""
+        if seq.status is not SequenceStatus.RUNNING:
+            return  # it finished on one of the tokens (its blocks are freed)
+        if proposed:
+            seq.spec_probe = False
+            seq.spec_acceptance += SPEC_SMOOTHING * (accepted / proposed - seq.spec_acceptance)
+            if seq.spec_acceptance < SPEC_MIN_ACCEPTANCE:
+                seq.spec_backoff = min(max(2 * seq.spec_backoff, SPEC_PAUSE_MIN),
+                                       SPEC_PAUSE_MAX)
+                seq.spec_pause = seq.spec_backoff
+                seq.spec_acceptance = SPEC_MIN_ACCEPTANCE  # one good probe resumes it
+            else:
+                seq.spec_backoff = 0
+        seq.num_computed_tokens += accepted
+        self.bm.commit(seq)
+        self.bm.trim(seq, seq.num_tokens)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         admitted: list[Sequence] = []

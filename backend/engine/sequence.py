@@ -52,6 +52,15 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on first admission
     num_committed_blocks: int = 0  # leading full blocks registered in the prefix cache
+    # leading tokens whose K/V the draft model has in its own cache (spec decoding, draft.py)
+    num_draft_computed_tokens: int = 0
+    # speculative decoding's recent acceptance (accepted / proposed, smoothed), the steps
+    # it sits out after low acceptance, how long the next pause is, and whether the next
+    # draft is a one-token probe after a pause (Scheduler.accept)
+    spec_acceptance: float = 0.35
+    spec_pause: int = 0
+    spec_backoff: int = 0
+    spec_probe: bool = False
     num_preemptions: int = 0
     # timings (engine clock, seconds)
     first_scheduled_time: float | None = None

@@ -14,6 +14,11 @@ Layout (HF's, with q/k/v and gate/up fused into one matrix each):
                  input_norm, post_attention_norm [hidden]
     final_norm   [hidden]
     lm_head      [vocab, hidden] (the embedding itself when tied)
+
+A quantized model (``LlamaForCausalLM.quantize``) has every matrix, the embedding and the
+LM head as ``QuantizedWeight``s (one format, ``quantization``, for all but an int4 model's
+untied embedding, which is int8: ``llama_quant.embedding_format``); norms and biases stay
+tensors in the model dtype.
 """
 
 from __future__ import annotations
@@ -23,14 +28,20 @@ from dataclasses import dataclass
 
 import torch
 
-# A oneDNN-prepacked float32 matmul (``models.linear.PackedLinear``): x [n, in] -> [n, out].
+from .quant import QuantizedWeight
+
+# A matrix as the model holds it: in the model dtype, or quantized.
+Matrix = torch.Tensor | QuantizedWeight
+
+# A oneDNN-prepacked float32 matmul (``models.linear.PackedLinear``), or a quantized one
+# (``fused_decode.QuantizedMatmul``, ``quant.QuantizedLinear``): x [n, in] -> [n, out].
 PackedMatmul = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(slots=True, frozen=True)
 class PackedLayer:
     """oneDNN-prepacked float32 copies of one layer's four matmuls (steps of many rows
-    multiply with these; see ``models/linear.py``)."""
+    multiply with these; see ``models/linear.py``), or a quantized model's matmuls."""
 
     qkv: PackedMatmul
     o: PackedMatmul
@@ -40,20 +51,20 @@ class PackedLayer:
 
 @dataclass(slots=True, frozen=True)
 class LayerWeights:
-    """One decoder layer's tensors, in the model dtype."""
+    """One decoder layer's tensors, in the model dtype (the matrices may be quantized)."""
 
-    qkv: torch.Tensor
+    qkv: Matrix
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: Matrix
     o_bias: torch.Tensor | None
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Matrix
+    down: Matrix
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
     packed: PackedLayer | None = None  # where the model prepacked its matmuls
 
     @property
-    def matmuls(self) -> tuple[torch.Tensor, ...]:
+    def matmuls(self) -> tuple[Matrix, ...]:
         return (self.qkv, self.o, self.gate_up, self.down)
 
 
@@ -62,9 +73,9 @@ class DecoderWeights:
     """Every tensor of a decoder and the shapes that go with them."""
 
     layers: tuple[LayerWeights, ...]
-    embed: torch.Tensor
+    embed: Matrix
     final_norm: torch.Tensor
-    lm_head: torch.Tensor
+    lm_head: Matrix
     hidden_size: int
     intermediate_size: int
     num_heads: int
@@ -75,7 +86,13 @@ class DecoderWeights:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        """The model dtype (norms, biases, KV cache; the matrices unless quantized)."""
+        return self.final_norm.dtype
+
+    @property
+    def quantization(self) -> str | None:
+        """The matrices' format: None (the model dtype), "int8" or "int4"."""
+        return self.lm_head.kind if isinstance(self.lm_head, QuantizedWeight) else None
 
     @property
     def device(self) -> torch.device:

@@ -206,6 +206,23 @@ class ServerMetrics:
                   s.generated_tokens)
         yield one("engine_aborted_total", "counter", "Requests aborted in the engine.",
                   s.aborted)
+        yield one("spec_decode_draft_tokens_total", "counter",
+                  "Draft tokens proposed (speculative decoding).", s.spec_proposed_tokens)
+        yield one("spec_decode_accepted_tokens_total", "counter",
+                  "Draft tokens the target accepted.", s.spec_accepted_tokens)
+        yield one("spec_decode_verify_steps_total", "counter",
+                  "Sequence-steps that verified drafts.", s.spec_verify_steps)
+        yield one("spec_decode_emitted_tokens_total", "counter",
+                  "Tokens those sequence-steps produced (accepted drafts + one each).",
+                  s.spec_emitted_tokens)
+        yield one("spec_decode_acceptance_rate", "gauge",
+                  "Accepted over proposed drafts since start; 0 before any.",
+                  s.spec_acceptance_rate)
+        yield one("spec_decode_tokens_per_step", "gauge", "Tokens per verifying "
+                  "sequence-step since start (accepted + 1); 0 before any.",
+                  s.spec_tokens_per_step)
+        yield one("spec_decode_draft_seconds_total", "counter",
+                  "Time spent drafting, in the engine's steps.", s.spec_draft_seconds)
 
 
 def _tokenize(pool: PoolSnapshot, trims: int) -> Iterator[Family]:

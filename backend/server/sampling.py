@@ -41,6 +41,7 @@ def sampling_params(req: Request, num_prompt_tokens: int, max_model_len: int) ->
         frequency_penalty=float(req.frequency_penalty or 0.0),
         logit_bias=tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items()),
         logprobs=logprobs(req),
+        speculative=req.speculative is not False,
     )
 
 

@@ -34,6 +34,8 @@ TARGET_KEYS = (
     "decode_step_over_roofline",
     "prefix_cache_ttft_speedup",
     "concurrency_ttft_p99_over_p50",
+    "concurrency_burst_ttft_over_bound",
+    "concurrency_steady_ttft_p99_over_p50",
 )
 
 
@@ -119,3 +121,14 @@ def test_matmul_bench_refuses_bad_arguments(argv: list[str],
         matmul.main(["--model", "test", *argv])
     assert exc.value.code == 2
     assert "--r" in capsys.readouterr().err
+
+
+def test_the_concurrency_tail_splits_the_burst_from_the_rest() -> None:
+    from backend.bench.concurrency import tail
+    from backend.bench.workload import RunStats
+
+    run = RunStats("cc", 100, 1.0, [0.1, 0.2, 0.4, 0.8] + [0.05] * 10 + [0.1])
+    t = tail(run, streams=4, prompt_len=100, rate=1000.0)
+    assert t.burst_slowest_s == 0.8 and t.burst_bound_s == 0.4
+    assert t.burst_over_bound == 2.0
+    assert t.steady_p50_s == 0.05 and math.isclose(t.steady_p99_s, 0.095)

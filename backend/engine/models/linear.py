@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..weights import PackedMatmul
+
 # The packed layout is chosen for this many rows; it serves every row count (measured:
 # packing for 32 is within noise of the best packing at 1…512 rows).
 PACK_FOR_ROWS = 32
@@ -59,16 +61,19 @@ class PackedLinear:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: PackedLinear | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           packed: PackedMatmul | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through the fastest kernel for ``x``'s rows.
 
-    The result has ``out_dtype`` (default: ``x``'s dtype).
+    The result has ``out_dtype`` (default: ``x``'s dtype). A quantized model's ``weight``
+    is empty and ``packed`` its quantized matmul (``llama_quant.py``), the only one.
     """
     # Conversions are skipped in Python when not needed: even a no-op .to() costs a
     # dispatcher round trip (~1 us), and a decode step runs ~40 of these.
     rows = x.shape[0]
     dtype = out_dtype or x.dtype
-    if packed is not None and (x.dtype == torch.float32 or rows > HALF_MAX_ROWS):
+    if packed is not None and not weight.numel():
+        y = packed(x)
+    elif packed is not None and (x.dtype == torch.float32 or rows > HALF_MAX_ROWS):
         if x.dtype != torch.float32:
             x = x.float()
         elif not x.is_contiguous():

@@ -5,6 +5,11 @@ Parameters carry Hugging Face names (``model.layers.0.self_attn.q_proj.weight`` 
 For speed q/k/v and gate/up run as one matmul each: their HF-named parameters are views
 into one fused tensor per layer (``_Fused``), so loading into ``q_proj.weight`` fills the
 fused ``qkv_weight`` in place and no second copy of the weights exists.
+
+``quantize`` (``quant.py``) replaces every matrix, the embedding and the LM head by a
+quantized copy and frees the floating-point one (its parameters become empty tensors); the
+matmul slots that hold oneDNN-packed copies in a floating-point model hold the quantized
+matmuls instead (C on the CPU, torch ops elsewhere).
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ from ..attention import AttentionBatch, Workspace, paged_attention, write_kv
 from ..decode_kernel import DecodeKernel
 from ..fused_decode import MAX_ROWS as FUSED_MAX_ROWS
 from ..fused_decode import FusedDecoder
-from ..weights import DecoderWeights, LayerWeights, PackedLayer
+from ..quant import QuantizedWeight
+from ..weights import DecoderWeights, LayerWeights, Matrix, PackedLayer, PackedMatmul
 from .linear import HALF_MAX_ROWS, PackedLinear, linear
+from .llama_quant import bind_quantized_matmuls, quantize_model, weight_bytes
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -182,8 +189,10 @@ class LlamaAttention(_Fused):
                          config.hidden_size, config.attention_bias, dtype, device)
         self.o_proj = _Proj()
         self.o_proj.weight = _param((config.hidden_size, q), dtype, device)
-        self.qkv_packed: PackedLinear | None = None  # see prepack_cpu_matmuls
-        self.o_packed: PackedLinear | None = None
+        self.qkv_packed: PackedMatmul | None = None  # see prepack_cpu_matmuls, quantize
+        self.o_packed: PackedMatmul | None = None
+        self.qkv_quant: QuantizedWeight | None = None  # see LlamaForCausalLM.quantize
+        self.o_quant: QuantizedWeight | None = None
         if config.o_proj_bias:
             self.o_proj.bias = _param((config.hidden_size,), dtype, device)
 
@@ -216,8 +225,10 @@ class LlamaMLP(_Fused):
                          config.hidden_size, False, dtype, device)
         self.down_proj = _Proj()
         self.down_proj.weight = _param((config.hidden_size, inter), dtype, device)
-        self.gate_up_packed: PackedLinear | None = None  # see prepack_cpu_matmuls
-        self.down_packed: PackedLinear | None = None
+        self.gate_up_packed: PackedMatmul | None = None  # see prepack_cpu_matmuls, quantize
+        self.down_packed: PackedMatmul | None = None
+        self.gate_up_quant: QuantizedWeight | None = None  # see LlamaForCausalLM.quantize
+        self.down_quant: QuantizedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, None, self.gate_up_packed)
@@ -249,8 +260,10 @@ class LlamaDecoderLayer(nn.Module):
             packed = PackedLayer(attn.qkv_packed, attn.o_packed, mlp.gate_up_packed,
                                  mlp.down_packed)
         return LayerWeights(
-            qkv=attn.qkv_weight, qkv_bias=attn.qkv_bias, o=attn.o_proj.weight,
-            o_bias=attn.o_proj.bias, gate_up=mlp.gate_up_weight, down=mlp.down_proj.weight,
+            qkv=attn.qkv_quant or attn.qkv_weight, qkv_bias=attn.qkv_bias,
+            o=attn.o_quant or attn.o_proj.weight, o_bias=attn.o_proj.bias,
+            gate_up=mlp.gate_up_quant or mlp.gate_up_weight,
+            down=mlp.down_quant or mlp.down_proj.weight,
             input_norm=self.input_layernorm.weight,
             post_attention_norm=self.post_attention_layernorm.weight, packed=packed)
 
@@ -261,6 +274,7 @@ class _Embedding(nn.Module):
     def __init__(self, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.weight = _param((vocab, hidden), dtype, device)
+        self.quant: QuantizedWeight | None = None  # see LlamaForCausalLM.quantize
 
 
 class LlamaModel(nn.Module):
@@ -287,7 +301,10 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.workspace = Workspace()  # scratch shared by all layers; one forward at a time
         self.model = LlamaModel(config, dtype, device)
-        self.lm_head_packed: PackedLinear | None = None
+        self.lm_head_packed: PackedMatmul | None = None
+        self.quantization: str | None = None  # see quantize
+        self._lm_head_quant: QuantizedWeight | None = None  # untied heads only
+        self._weight_bytes: int | None = None  # see weight_bytes
         self.decode_kernel: DecodeKernel | None = None  # see set_decode_kernel
         self.fused: FusedDecoder | None = None  # see set_decode_kernel
         if not config.tie_word_embeddings:
@@ -319,9 +336,14 @@ class LlamaForCausalLM(nn.Module):
                                          torch.float32, input_ids.device)
             return self.fused.forward(input_ids, cos32, sin32, tables, dec.context_lens,
                                       kv_caches, scratch)
-        h = F.embedding(input_ids, m.embed_tokens.weight)
+        quant = m.embed_tokens.quant
+        if quant is not None:  # a quantized CPU model keeps its activations in float32
+            cpu = input_ids.device.type == "cpu"
+            h = quant.gather(input_ids, torch.float32 if cpu else self.dtype)
+        else:
+            h = F.embedding(input_ids, m.embed_tokens.weight)
         if self.lm_head_packed is not None and h.dtype != torch.float32 \
-                and h.shape[0] > HALF_MAX_ROWS:
+                and h.shape[0] > HALF_MAX_ROWS and quant is None:
             # Steps that multiply with the packed fp32 weights keep the activations in
             # float32: no half <-> fp32 conversion around every matmul, cheaper norms.
             h = h.float()
@@ -336,7 +358,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
         if self.fused is not None and hidden.dtype == torch.float32 \
-                and 1 <= hidden.shape[0] <= FUSED_MAX_ROWS:
+                and 1 <= hidden.shape[0] <= FUSED_MAX_ROWS and self.quantization is None:
             return self.fused.linear(hidden.contiguous(), self.lm_head_weight, None)
         return linear(hidden, self.lm_head_weight, None, self.lm_head_packed, torch.float32)
 
@@ -346,12 +368,39 @@ class LlamaForCausalLM(nn.Module):
             return self.model.embed_tokens.weight
         return self.lm_head.weight
 
+    @property
+    def lm_head_matrix(self) -> Matrix:
+        """The LM head as the model multiplies with it (quantized, or ``lm_head_weight``)."""
+        if self.quantization is None:
+            return self.lm_head_weight
+        quant = self.model.embed_tokens.quant if self.config.tie_word_embeddings \
+            else self._lm_head_quant
+        if quant is None:
+            raise RuntimeError("a quantized model without its quantized LM head")
+        return quant
+
+    def quantize(self, kind: str) -> None:
+        """Quantize every matrix, the embedding and the LM head in place, freeing the
+        floating-point ones (``llama_quant.py``)."""
+        quantize_model(self, kind)
+        self._weight_bytes = None
+        self._rebind_fused()
+
+    def weight_bytes(self) -> int:
+        """Bytes of every tensor the model holds for its weights (``llama_quant.py``)."""
+        if self._weight_bytes is None:
+            self._weight_bytes = weight_bytes(self)
+        return self._weight_bytes
+
     @torch.no_grad()
     def prepack_cpu_matmuls(self) -> None:
         """Keep a oneDNN-prepacked float32 copy of every matmul weight (CPU; see
         ``linear.py``). Costs one float32 copy of the matmul weights in memory. Half
         models then run steps of more than ``HALF_MAX_ROWS`` tokens with float32
-        activations (K/V still stored in the model dtype)."""
+        activations (K/V still stored in the model dtype). A quantized model keeps no
+        copy: nothing to do."""
+        if self.quantization is not None:
+            return
         for layer in self.model.decoder_layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv_packed = PackedLinear.pack(attn.qkv_weight, attn.qkv_bias)
@@ -365,6 +414,7 @@ class LlamaForCausalLM(nn.Module):
                 norms += [layer.input_layernorm, layer.post_attention_layernorm]
             for norm in norms:
                 norm.weight32 = norm.weight.float()
+        self._weight_bytes = None
         self._rebind_fused()  # the fused step's many-row path multiplies with the copies
 
     def decoder_weights(self) -> DecoderWeights:
@@ -372,7 +422,8 @@ class LlamaForCausalLM(nn.Module):
         cfg, m = self.config, self.model
         return DecoderWeights(
             layers=tuple(layer.weights() for layer in m.decoder_layers),
-            embed=m.embed_tokens.weight, final_norm=m.norm.weight, lm_head=self.lm_head_weight,
+            embed=m.embed_tokens.quant or m.embed_tokens.weight, final_norm=m.norm.weight,
+            lm_head=self.lm_head_matrix,
             hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
             num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
@@ -384,6 +435,9 @@ class LlamaForCausalLM(nn.Module):
         the model (``fused_decode.py``)."""
         self.decode_kernel = kernel
         self.fused = None
+        if self.quantization is not None:
+            bind_quantized_matmuls(self)
+            self._weight_bytes = None
         if kernel is not None and fused:
             self.fused = kernel.fused_decoder(self.decoder_weights())
 
@@ -396,12 +450,18 @@ class LlamaForCausalLM(nn.Module):
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor],
                recurse: bool = True) -> LlamaForCausalLM:
         # .to(), .float(), .bfloat16() ... move the weights, so the fused step is made again.
+        if self.quantization is not None:
+            raise ValueError("a quantized model cannot be moved or converted: quantize it "
+                             "where it is to run, in its dtype")
+        self._weight_bytes = None
         super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # torch: unannotated
         self._rebind_fused()
         return self
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """HF-named standalone tensors (no shared storage), ready for safetensors."""
+        if self.quantization is not None:
+            raise ValueError("a quantized model has no floating-point weights to export")
         return {name: p.detach().clone().contiguous() for name, p in self.named_parameters()}
 
     @torch.no_grad()

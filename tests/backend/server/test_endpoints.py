@@ -12,7 +12,7 @@ from .conftest import Backend
 
 STATE_KEYS = {"kv_blocks_total", "kv_blocks_free", "block_size", "running", "waiting",
               "preemptions", "prefix_cache_queries", "prefix_cache_hits", "max_num_seqs",
-              "max_model_len", "resolved"}
+              "max_model_len", "weight_bytes", "resolved"}
 
 
 def test_health_and_state(backend: Backend) -> None:
