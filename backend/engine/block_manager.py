@@ -165,14 +165,16 @@ class BlockManager:
         table = seq.block_table
         new = max(self.blocks_needed(num_tokens) - len(table), 0)
         first = seq.num_computed_tokens // self.block_size  # the first block written now
-        shared = first < len(table) and self.ref_counts[table[first]] > 1
-        if new + shared > self.num_free_blocks:
+        # shared blocks it writes into: the first, and (a step of drafts writes several)
+        # any after it
+        shared = [i for i in range(first, len(table)) if self.ref_counts[table[i]] > 1]
+        if new + len(shared) > self.num_free_blocks:
             return False
-        if shared:
-            src = table[first]
-            table[first] = self._pop_free()
+        for i in shared:
+            src = table[i]
+            table[i] = self._pop_free()
             self.ref_counts[src] -= 1  # still >= 1: someone else holds it
-            self._copies.append((src, table[first]))
+            self._copies.append((src, table[i]))
         for _ in range(new):
             table.append(self._pop_free())
         return True

@@ -283,7 +283,8 @@ class LLMEngine:
         for c, d in zip(reserved, found):
             c.draft = d.tokens[:c.num_spec]
             if c.draft:
-                drafts[id(c)] = d
+                probs = None if d.probs is None else d.probs[:len(c.draft)]
+                drafts[id(c)] = Draft(c.draft, probs)
         return drafts
 
     def _verify(self, spec: list[tuple[ScheduledChunk, int]], drafts: dict[int, Draft],
@@ -303,15 +304,15 @@ class LLMEngine:
             # each emitted token's logprobs come from its own row (rows 0..accepted)
             lps = token_logprobs(x[at:at + len(toks)], [p] * len(toks), toks)
             at += 1 + len(c.draft)
-            stats.proposed += len(c.draft)
-            stats.accepted += accepted
-            stats.verified += 1
             seq = c.seq
             mine: list[OutputDelta] = []
             for tok, lp in zip(toks, lps):
                 mine.append(self._append_token(seq, tok, now, lp))
                 if seq.status is SequenceStatus.FINISHED:
                     break
+            stats.proposed += len(c.draft)
+            stats.accepted += min(accepted, len(mine))  # not the ones after a stop
+            stats.verified += 1
             stats.emitted += len(mine)
             deltas.append(_merge(mine))
             if self.proposer is not None:

@@ -160,6 +160,7 @@ class Scheduler:
                 arrival_time=parent.arrival_time, cache_salt=parent.cache_salt, index=i,
                 token_ids=list(parent.token_ids), status=SequenceStatus.RUNNING,
                 num_cached_tokens=parent.num_cached_tokens,
+                num_draft_computed_tokens=parent.num_draft_computed_tokens,
                 num_preemptions=parent.num_preemptions,
                 first_scheduled_time=parent.first_scheduled_time,
                 prefill_chunks=list(parent.prefill_chunks))
@@ -231,18 +232,19 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         spec = self._step_spec_tokens()
+        later = self._later_block_needs(budget) if spec else []
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if spec and seq.num_tokens - seq.num_computed_tokens == 1:
                 num_spec = self._num_spec(seq, spec, budget)
-                # drafts never take the blocks that sequences after this one need to go on
-                # (one each at most), nor the admission watermark: no preemption for them
-                extra = self.bm.blocks_needed(seq.num_tokens + num_spec) - len(seq.block_table)
-                spare = self.bm.num_free_blocks - (len(self.running) - i - 1) \
-                    - self.watermark_blocks
-                if num_spec and extra <= spare \
+                # Drafts take only blocks that hold no cached prefix and that neither the
+                # sequences after this one (their next chunk) nor the admission watermark
+                # need: they never cause a preemption or an eviction.
+                spare = self.bm.num_free_blocks - self.bm.num_cached_free_blocks \
+                    - later[i] - self.watermark_blocks
+                if num_spec and self._blocks_to_grow(seq, seq.num_tokens + num_spec) <= spare \
                         and self.bm.ensure(seq, seq.num_tokens + num_spec):
                     out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, 1,
                                                      num_spec))
@@ -261,6 +263,25 @@ class Scheduler:
                 i += 1
         return budget
 
+    def _blocks_to_grow(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks ``BlockManager.ensure(seq, num_tokens)`` takes: new ones, and copies of
+        shared ones it writes into."""
+        table = seq.block_table
+        first = seq.num_computed_tokens // self.bm.block_size
+        shared = sum(1 for b in table[first:] if self.bm.ref_counts[b] > 1)
+        return max(self.bm.blocks_needed(num_tokens) - len(table), 0) + shared
+
+    def _later_block_needs(self, budget: int) -> list[int]:
+        """For each running sequence, the blocks the ones after it take for their next chunk
+        (at most ``budget`` tokens each): what drafts must leave them."""
+        needs = [self._blocks_to_grow(s, s.num_computed_tokens
+                                      + min(s.num_tokens - s.num_computed_tokens, budget))
+                 for s in self.running]
+        out = [0] * len(needs)
+        for i in range(len(needs) - 2, -1, -1):
+            out[i] = out[i + 1] + needs[i + 1]
+        return out
+
     def _step_spec_tokens(self) -> int:
         """Drafts each speculating sequence may get this step: none when the decoding
         batch is larger than ``spec_max_batch``."""
@@ -275,7 +296,8 @@ class Scheduler:
         sampled requests never speculate: how many drafts a step gets depends on the batch,
         and so would their draws, where a seed promises the same tokens in any batch."""
         p = seq.params
-        if not p.speculative or p.penalized or (p.seed is not None and not p.greedy):
+        if not p.speculative or p.penalized or (p.seed is not None and not p.greedy) \
+                or seq.num_output_tokens == 0:  # its prompt's last chunk (before n forks)
             return 0
         if seq.spec_pause:
             seq.spec_pause -= 1

@@ -76,14 +76,32 @@ class MarkovDrafter:
         pass
 
 
-def sample_sequences(drafter: MarkovDrafter | None) -> dict[tuple[int, ...], int]:
+PLAIN = SamplingParams(max_tokens=LENGTH, temperature=1.0, ignore_eos=True)
+# temperature, top-k and a logit bias change p: the verifier must use the p a plain step uses
+SHAPED = SamplingParams(max_tokens=LENGTH, temperature=0.7, top_k=2, logit_bias=((0, 0.5),),
+                        ignore_eos=True)
+
+
+def target_probs(params: SamplingParams) -> torch.Tensor:
+    """p(next | current) as a plain step samples it: [V, V]."""
+    x = TARGET.double().clone()
+    for tok, bias in params.logit_bias:
+        x[:, tok] += bias
+    x = x / params.temperature
+    if 0 < params.top_k < V:
+        kth = x.topk(params.top_k, dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    return torch.softmax(x, dim=-1)
+
+
+def sample_sequences(drafter: MarkovDrafter | None,
+                     params: SamplingParams = PLAIN) -> dict[tuple[int, ...], int]:
     scheduler = Scheduler(BlockManager(4096, 4), max_num_seqs=64, max_num_batched_tokens=512,
                           max_model_len=64, clock=time.monotonic,
                           num_spec_tokens=0 if drafter is None else 2, spec_max_batch=64)
     engine = LLMEngine(runner=MarkovRunner(), scheduler=scheduler, vocab_size=V,
                        eos_token_ids=(0,), make_detokenizer=CharDetok,
                        make_salt=lambda s: b"", seed=7, proposer=drafter)
-    params = SamplingParams(max_tokens=LENGTH, temperature=1.0, ignore_eos=True)
     counts: dict[tuple[int, ...], int] = {}
     out: dict[str, list[int]] = {}
     added = 0
@@ -105,15 +123,19 @@ def sample_sequences(drafter: MarkovDrafter | None) -> dict[tuple[int, ...], int
     return counts
 
 
-def p_value(counts: dict[tuple[int, ...], int]) -> float:
-    """Chi-square goodness of fit of the counts to the target's exact joint distribution."""
-    p = torch.softmax(TARGET.double(), dim=-1)
+def p_value(counts: dict[tuple[int, ...], int], params: SamplingParams = PLAIN) -> float:
+    """Chi-square goodness of fit of the counts to the target's exact joint distribution
+    (cells the target cannot produce must stay empty)."""
+    p = target_probs(params)
     stat, cells = 0.0, 0
     for seq in itertools.product(range(V), repeat=LENGTH):
         prob, cur = 1.0, START
         for t in seq:
             prob *= float(p[cur, t])
             cur = t
+        if prob == 0.0:
+            assert seq not in counts, seq
+            continue
         expected = N * prob
         stat += (counts.get(seq, 0) - expected) ** 2 / expected
         cells += 1
@@ -126,9 +148,11 @@ def test_the_test_accepts_plain_sampling() -> None:
     assert p_value(sample_sequences(None)) > 1e-3
 
 
+@pytest.mark.parametrize("params", [PLAIN, SHAPED], ids=["t1", "t0.7-topk2-bias"])
 @pytest.mark.parametrize("point", [False, True], ids=["draft-distribution", "point-mass"])
-def test_speculative_sampling_keeps_the_target_distribution(point: bool) -> None:
-    assert p_value(sample_sequences(MarkovDrafter(point))) > 1e-3
+def test_speculative_sampling_keeps_the_target_distribution(point: bool,
+                                                            params: SamplingParams) -> None:
+    assert p_value(sample_sequences(MarkovDrafter(point), params), params) > 1e-3
 
 
 @pytest.mark.parametrize("point", [False, True], ids=["draft-distribution", "point-mass"])
