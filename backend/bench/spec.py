@@ -42,9 +42,10 @@ from backend.engine.config import EngineConfig
 from backend.engine.outputs import OutputDelta
 from backend.engine.sampling import SamplingParams
 
-from .checkpoint import FULL_MODEL, QUICK_MODEL, write_checkpoint
+from .checkpoint import FULL_MODEL, QUICK_MODEL, TEST_MODEL, write_checkpoint
 
 FORCED = 64  # a threshold above every batch: speculate always
+MODELS = {"full": FULL_MODEL, "quick": QUICK_MODEL, "test": TEST_MODEL}
 
 
 @dataclass(slots=True)
@@ -132,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m backend.bench.spec", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="the 7M model, one round")
+    ap.add_argument("--model", choices=tuple(MODELS), default=None,
+                    help="the bench model (default full; quick with --quick)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batches", default="1,8,32")
@@ -149,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     rounds = args.rounds or (1 if args.quick else 3)
     batches = [int(b) for b in args.batches.split(",")]
-    spec_model = QUICK_MODEL if args.quick else FULL_MODEL
+    spec_model = MODELS[args.model or ("quick" if args.quick else "full")]
     dtype = getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory(prefix="sluice-spec-") as tmp:
         target = write_checkpoint(Path(tmp) / "target", spec_model, dtype)

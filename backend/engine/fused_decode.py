@@ -89,6 +89,19 @@ def _fn(lib: ctypes.CDLL, name: str, *args: Any) -> Any:
     return fn
 
 
+def _check_step_inputs(n: int, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       tables: torch.Tensor, context_lens: torch.Tensor) -> None:
+    """The C side reads these by address: each must be contiguous, on the CPU, of its
+    dtype and shape (a strided view would be read as if it were not)."""
+    for name, t, dtype in (("input_ids", input_ids, torch.int64), ("cos", cos, torch.float32),
+                           ("sin", sin, torch.float32), ("tables", tables, torch.int64),
+                           ("context_lens", context_lens, torch.int64)):
+        if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu" \
+                or t.shape[0] != n:
+            raise ValueError(f"fused decode: {name} must be a contiguous CPU {dtype} tensor "
+                             f"with {n} rows")
+
+
 class FusedDecoder:
     """The fused step bound to one decoder's weights (and, at first use, its KV cache)."""
 
@@ -173,6 +186,7 @@ class FusedDecoder:
         n = input_ids.shape[0]
         if not 1 <= n <= MAX_ROWS:
             raise ValueError(f"fused decode takes 1..{MAX_ROWS} sequences, got {n}")
+        _check_step_inputs(n, input_ids, cos, sin, tables, context_lens)
         struct = self._bind(kv_caches)
         out = torch.empty((n, self.weights.hidden_size), dtype=torch.float32)
         self._forward(ctypes.byref(struct), n, input_ids.data_ptr(), cos.data_ptr(),
@@ -214,6 +228,7 @@ class FusedDecoder:
         runs here, one call per piece: norms fused with the residual adds, rotary + K/V
         write + attention, silu * up. Same arguments and result as ``forward``."""
         w = self.weights
+        _check_step_inputs(input_ids.shape[0], input_ids, cos, sin, tables, context_lens)
         struct = self._bind(kv_caches)
         threads = torch.get_num_threads()
         n, hidden, inter = input_ids.shape[0], w.hidden_size, w.intermediate_size

@@ -265,3 +265,23 @@ def test_engine_greedy_uses_the_native_argmax(kernel: DecodeKernel) -> None:
     while core.has_work():
         core.step()
     assert calls and set(calls) == {1}
+
+
+def test_a_strided_or_mistyped_step_input_is_refused(tmp_path: Path,
+                                                     kernel: DecodeKernel) -> None:
+    """The C step reads its inputs by address: a strided view (read as if contiguous, it
+    gave wrong tokens) or another dtype is an error, not a wrong answer."""
+    save_hf_checkpoint("qwen2", tmp_path, seed=5)
+    fast, _ = _fast(tmp_path, torch.float32, kernel)
+    fused = fused_or_skip(fast.model)
+    d = fast.config.head_dim
+    ids = torch.tensor([[3, 9], [4, 9]])[:, 0]  # a column: stride 2
+    cos, sin = torch.ones(2, d), torch.zeros(2, d)
+    tables, lens = torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, dtype=torch.int64)
+    for bad in ({"input_ids": ids}, {"input_ids": ids.contiguous().int()},
+                {"tables": tables.int()}, {"context_lens": lens[:1]}):
+        args = {"input_ids": ids.contiguous(), "cos": cos, "sin": sin, "tables": tables,
+                "context_lens": lens} | bad
+        with pytest.raises(ValueError, match="contiguous CPU"):
+            fused.forward(args["input_ids"], args["cos"], args["sin"], args["tables"],
+                          args["context_lens"], [], torch.empty(0))
