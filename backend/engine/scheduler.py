@@ -239,11 +239,11 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if spec and seq.num_tokens - seq.num_computed_tokens == 1:
                 num_spec = self._num_spec(seq, spec, budget)
-                # Drafts take only blocks that hold no cached prefix and that neither the
-                # sequences after this one (their next chunk) nor the admission watermark
-                # need: they never cause a preemption or an eviction.
-                spare = self.bm.num_free_blocks - self.bm.num_cached_free_blocks \
-                    - later[i] - self.watermark_blocks
+                # Drafts take only blocks that neither the sequences after this one (their
+                # next chunk) nor the admission watermark need: they never cause a
+                # preemption. (Free blocks that still hold a cached prefix count: a full
+                # cache is the steady state, and they go least recently used first.)
+                spare = self.bm.num_free_blocks - later[i] - self.watermark_blocks
                 if num_spec and self._blocks_to_grow(seq, seq.num_tokens + num_spec) <= spare \
                         and self.bm.ensure(seq, seq.num_tokens + num_spec):
                     out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, 1,

@@ -327,3 +327,18 @@ def test_copy_on_write_covers_every_shared_block_a_step_writes():
     assert [bm.ref_counts[b] for b in child.block_table] == [2, 1, 1]
     assert len(bm.take_copies()) == 2
     bm.check_invariants()
+
+
+def test_speculation_goes_on_when_every_free_block_holds_a_cached_prefix(tiny_cache_dir):
+    """A long-running server's free blocks all hold cached prefixes: drafts still get
+    blocks (the least recently used ones), as every allocation does."""
+    parts = make(tiny_cache_dir, speculative="ngram", kv_blocks=48)
+    warm = [(f"w{i}", [100 + i] * 3 + list(range(200 + 40 * i, 240 + 40 * i)),
+             SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
+                            speculative=False)) for i in range(6)]
+    run(parts, warm, stagger=1)
+    bm = parts.core.block_manager
+    assert bm.num_cached_free_blocks >= bm.num_blocks - 2  # (partial tail blocks aren't)
+    run(parts, [("r", [7, 8, 9] * 10, SamplingParams(max_tokens=30, temperature=0.0,
+                                                    ignore_eos=True))])
+    assert parts.core.state().spec_accepted_tokens > 0
