@@ -157,3 +157,18 @@ def test_what_a_template_renders_is_capped_in_json_values() -> None:
             check_render_size(messages, extra)
         err = info.value
         assert (err.status, err.param) == (400, "messages") and str(MAX_PROMPT_VALUES) in err.message
+
+
+def test_opting_out_of_speculation_is_a_capability() -> None:
+    """``speculative: false`` goes to a server that speculates (the bundled one) and is
+    refused, naming the field, by one that cannot be told; ``true`` asks for nothing."""
+
+    def req(value: bool) -> ChatRequest:
+        return ChatRequest.model_validate({"model": "m", "speculative": value,
+                                           "messages": [{"role": "user", "content": "x"}]})
+
+    check_capabilities(req(False), "m", SLUICE_CAPABILITIES)
+    check_capabilities(req(True), "m", OPENAI_CAPABILITIES)
+    with pytest.raises(BadRequest) as refused:
+        check_capabilities(req(False), "m", OPENAI_CAPABILITIES)
+    assert refused.value.param == "speculative"
