@@ -25,6 +25,7 @@ round's ratio (this VM's speed drifts), a rate the median over rounds.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -41,6 +42,7 @@ from backend.engine.builder import EngineParts, build_engine
 from backend.engine.config import EngineConfig
 from backend.engine.outputs import OutputDelta
 from backend.engine.sampling import SamplingParams
+from backend.engine.spec import SpecStats
 
 from .checkpoint import FULL_MODEL, QUICK_MODEL, TEST_MODEL, write_checkpoint
 
@@ -53,19 +55,16 @@ class Run:
     tokens_per_s: float
     tpot_s: float
     ttft_s: float
-    proposed: int
-    accepted: int
-    verified: int
-    emitted: int
+    spec: SpecStats  # the engine's counters over this run
     draft_share: float  # of the run's wall time
 
     @property
     def acceptance(self) -> float:
-        return self.accepted / self.proposed if self.proposed else 0.0
+        return self.spec.acceptance_rate
 
     @property
     def tokens_per_step(self) -> float:
-        return self.emitted / self.verified if self.verified else 1.0
+        return self.spec.tokens_per_step or 1.0  # 1: no step verified drafts
 
 
 def write_draft(target: Path, out: Path, layers: int) -> Path:
@@ -99,8 +98,7 @@ def prompts(kind: str, n: int, length: int, seed: int) -> list[list[int]]:
 def serve(parts: EngineParts, batch: list[list[int]], output: int, temperature: float,
           tag: str) -> Run:
     core = parts.core
-    before = core.state()
-    drafted0 = core.spec_stats.draft_seconds
+    before = dataclasses.replace(core.spec_stats)
     params = SamplingParams(max_tokens=output, temperature=temperature, ignore_eos=True)
     start = core.clock()
     for i, prompt in enumerate(batch):
@@ -111,7 +109,10 @@ def serve(parts: EngineParts, batch: list[list[int]], output: int, temperature: 
             if d.finished:
                 finals[d.request_id] = d
     end = core.clock()
-    after = core.state()
+    after = core.spec_stats
+    spec = SpecStats(after.proposed - before.proposed, after.accepted - before.accepted,
+                     after.verified - before.verified, after.emitted - before.emitted,
+                     after.draft_seconds - before.draft_seconds)
     tpots, ttfts, tokens = [], [], 0
     for d in finals.values():
         m = d.metrics
@@ -122,11 +123,7 @@ def serve(parts: EngineParts, batch: list[list[int]], output: int, temperature: 
         tpots.append((m.finished_time - m.first_token_time) / (output - 1))
         ttfts.append(m.first_token_time - m.arrival_time)
     return Run(tokens / (end - start), statistics.mean(tpots), statistics.median(ttfts),
-               after.spec_proposed_tokens - before.spec_proposed_tokens,
-               after.spec_accepted_tokens - before.spec_accepted_tokens,
-               after.spec_verify_steps - before.spec_verify_steps,
-               after.spec_emitted_tokens - before.spec_emitted_tokens,
-               (core.spec_stats.draft_seconds - drafted0) / (end - start))
+               spec, spec.draft_seconds / (end - start))
 
 
 def main(argv: list[str] | None = None) -> int:

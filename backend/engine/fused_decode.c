@@ -214,6 +214,19 @@ static const float ZEROS8[8] = {0.f};
    up to 8 inputs share one pass over the weight rows. More inputs go 8 at a time over
    tiles of 128 weight rows, and K in chunks of 512, so that a tile read once from memory
    stays in L2 and the 8 inputs' chunk (16 KB) in L1 across the passes. */
+/* CASE(M) for M = min(n, 8), M a compile-time constant (the kernels specialise on it). */
+#define ROWS_1_TO_8(n, CASE)                                                            \
+    switch ((n) < 8 ? (n) : 8) {                                                        \
+    case 1: { CASE(1) break; }                                                          \
+    case 2: { CASE(2) break; }                                                          \
+    case 3: { CASE(3) break; }                                                          \
+    case 4: { CASE(4) break; }                                                          \
+    case 5: { CASE(5) break; }                                                          \
+    case 6: { CASE(6) break; }                                                          \
+    case 7: { CASE(7) break; }                                                          \
+    default: { CASE(8) break; }                                                         \
+    }
+
 static void gemm_dot(const float* x, int64_t m0, int64_t mm, int64_t K, const void* w,
                      const void* bias, float* y, int64_t N, int64_t r0, int64_t r1, int acc,
                      int bf16) {
@@ -231,16 +244,7 @@ static void gemm_dot(const float* x, int64_t m0, int64_t mm, int64_t K, const vo
             for (int64_t i = m0; i < m0 + mm; i += 8) {
                 const float* xm = x + i * K + k0;
                 float* ym = y + i * N;
-                switch (m0 + mm - i < 8 ? m0 + mm - i : 8) {
-                case 1: { GEMM_CASE(1) break; }
-                case 2: { GEMM_CASE(2) break; }
-                case 3: { GEMM_CASE(3) break; }
-                case 4: { GEMM_CASE(4) break; }
-                case 5: { GEMM_CASE(5) break; }
-                case 6: { GEMM_CASE(6) break; }
-                case 7: { GEMM_CASE(7) break; }
-                default: { GEMM_CASE(8) break; }
-                }
+                ROWS_1_TO_8(m0 + mm - i, GEMM_CASE)
             }
         }
     }

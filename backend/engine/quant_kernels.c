@@ -177,16 +177,7 @@ static void gemm_dot_q(const float* x, int64_t m0, int64_t mm, int64_t K, const 
         for (int64_t i = m0; i < m0 + mm; i += 8) {
             const float* xm = x + i * K;
             float* ym = y + i * N;
-            switch (m0 + mm - i < 8 ? m0 + mm - i : 8) {
-            case 1: { QCASE(1) break; }
-            case 2: { QCASE(2) break; }
-            case 3: { QCASE(3) break; }
-            case 4: { QCASE(4) break; }
-            case 5: { QCASE(5) break; }
-            case 6: { QCASE(6) break; }
-            case 7: { QCASE(7) break; }
-            default: { QCASE(8) break; }
-            }
+            ROWS_1_TO_8(m0 + mm - i, QCASE)  /* fused_decode.c */
         }
     }
 #undef QCASE
