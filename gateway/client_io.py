@@ -7,11 +7,12 @@ status, body messages go to the server's ``send`` through one wrapper, the stall
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from protocol.errors import detached
 from protocol.http import LimitedBody, int_header
-from protocol.versions import RESOLVED_HEADER, ResolvedVersions
+from protocol.versions import RESOLVED_HEADER, ResolvedVersions, short
 
 from .errors import GatewayError
 from .tracing import NO_TRACE, NoTrace
@@ -65,10 +66,16 @@ def deadline_header(scope: Scope) -> int | None:
                       minimum=1, unit=" (milliseconds)")
 
 
-def stamp_headers(stamp: ResolvedVersions | None) -> list[tuple[bytes, bytes]]:
+def stamp_headers(stamp: ResolvedVersions | None,
+                  request: Mapping[str, str] | None = None) -> list[tuple[bytes, bytes]]:
+    """``x-sluice-resolved``: the server's versions, then the request's own (``schema=``,
+    ``tools=``: sha256 of their canonical JSON), shortened as the server's hashes are."""
     if stamp is None:
         return []
-    return [(_RESOLVED, stamp.header_value().encode("latin-1", "replace"))]
+    value = stamp.header_value()
+    if request:
+        value += "".join(f"; {name}={short(sha)}" for name, sha in request.items())
+    return [(_RESOLVED, value.encode("latin-1", "replace"))]
 
 
 class Reply:
@@ -102,11 +109,12 @@ class Reply:
         await self.send({"type": "http.response.start", "status": status, "headers": headers})
 
 
-async def send_error(reply: Reply, err: GatewayError, stamp: ResolvedVersions | None) -> None:
+async def send_error(reply: Reply, err: GatewayError, stamp: ResolvedVersions | None,
+                     request: Mapping[str, str] | None = None) -> None:
     body = err.json_bytes()
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode())]
-    headers += stamp_headers(stamp) + err.headers()
+    headers += stamp_headers(stamp, request) + err.headers()
     reply.failed(err)
     await reply.start(err.status, headers)
     await reply.send({"type": "http.response.body", "body": body, "more_body": False})

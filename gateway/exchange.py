@@ -131,7 +131,7 @@ class Exchange:
                                        "more_body": False})
             else:
                 stamp = self._relay.stamp if self._relay is not None else p.stamp
-                await send_error(self.reply, err, stamp)
+                await send_error(self.reply, err, stamp, p.request_versions)
         finally:
             failover.close()
 

@@ -40,7 +40,15 @@ from .resolve import Prepared
 from .sse import ChunkRewriter
 from .timing import RequestTimes
 from .tracing import RELAY
-from .upstream import Fault, Upstream, UpstreamError, error_from, fault_of, header_agrees
+from .upstream import (
+    Fault,
+    Upstream,
+    UpstreamError,
+    error_from,
+    fault_of,
+    header_agrees,
+    server_part,
+)
 
 MAX_WHOLE_BYTES = 64 * 1024 * 1024  # one non-streamed answer
 DRAIN_AFTER_DONE_S = 1.0  # the rest of a stream's body after [DONE], read for keep-alive
@@ -146,6 +154,8 @@ class Relay:
         failover tries a member that serves the pin, else the client gets the error."""
         up, p = self.p.upstream, self.p
         reported = resp.header(RESOLVED_HEADER) if up.reports(member) else None
+        if reported is not None:  # a structured answer names its schema and tools too
+            reported = server_part(reported)
         if reported is not None and reported != member.reported_header:
             with contextlib.suppress(UpstreamError):
                 await self.refresh(up)
@@ -175,7 +185,7 @@ class Relay:
     def _answer_headers(self, content_type: bytes) -> list[tuple[bytes, bytes]]:
         p = self.p
         headers = [(b"content-type", content_type), *self.headers,
-                   *stamp_headers(self.stamp)]
+                   *stamp_headers(self.stamp, p.request_versions)]
         if p.clamped:
             headers.append((b"x-sluice-clamped", p.clamped.encode()))
         if p.degraded:

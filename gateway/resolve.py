@@ -9,8 +9,11 @@
     prepare    pin checked (400 revision_mismatch for a pin too short to be one; 503
                revision_unavailable, Retry-After the refresh interval, when no member is
                known to serve it), features checked against what the
-               upstream implements, priority within the tenant's range (403), prompt tokens
-               counted and capped (413 / 400 context_length_exceeded; one that provably
+               upstream implements, structured-output and tool fields checked (400 naming
+               the field; their schema's and tools' hashes are the request's own versions,
+               ``structured.py``), priority within the tenant's range (403), prompt tokens
+               (tools and schema included) counted and capped (413 / 400
+               context_length_exceeded; one that provably
                exceeds either is refused before it is tokenized), max_tokens capped or
                clamped, degradation applied, the deadline fixed, and the exact body the
                upstream will get
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from policies.degrade import decide
@@ -42,6 +45,7 @@ from .errors import (
     RevisionUnavailable,
     ServiceUnavailable,
 )
+from .structured import NO_EXTRAS, chat_extras
 from .tenants import Tenant
 from .tokens import OverLimit
 from .upstream import Upstream, UpstreamError
@@ -83,6 +87,9 @@ class Prepared:
     degraded: str | None = None  # x-sluice-degraded: the degradation applied, if any
     prefix_key: bytes | None = None  # what prefix-affine routing hashes
     worst_terms: str = ""  # how worst_case was computed, for refusals and traces
+    # the request's own versions: {"schema": sha256, "tools": sha256} of their canonical JSON
+    # (full hex), the present ones; stamped after the server's (``client_io.stamp_headers``)
+    request_versions: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def path(self) -> str:
@@ -232,6 +239,8 @@ class Resolver:
                 raise RevisionMismatch(versions.pin_refusal(up.name, pin))
             raise self.revision_unavailable(up, pin)
         check_capabilities(req, up.name, up.capabilities)
+        extras = (chat_extras(req, bundled=up.entry.kind == "sluice")
+                  if isinstance(req, ChatRequest) else NO_EXTRAS)
 
         pr = tenant.priority
         priority = pr.default if req.priority is None else req.priority
@@ -240,14 +249,13 @@ class Resolver:
                                    f"[{pr.min}, {pr.max}] (lower is more urgent)", "priority")
 
         payload: Any = req.messages if isinstance(req, ChatRequest) else req.prompt
-        tools = req.tools if isinstance(req, ChatRequest) else None
         limit = PromptLimit.of(kind, up, tenant)
         text, media = (up.media.split(payload) if isinstance(req, ChatRequest)
                        else (payload, 0))  # images and audio at their declared cost
         try:
             most = None if limit.most is None else max(0, limit.most - media)
-            prompt_tokens = media + await up.counter.count(kind, text, tools, tenant=tenant.id,
-                                                           limit=most)
+            prompt_tokens = media + await up.counter.count(kind, text, extras,
+                                                           tenant=tenant.id, limit=most)
         except OverLimit as over:  # refused before encoding: provably over ``limit.most``
             raise limit.refusal(media + over.at_least, at_least=True) from None
         limit.check(prompt_tokens)
@@ -292,7 +300,8 @@ class Resolver:
             prompt_tokens=prompt_tokens, prompt_exact=up.counter.exact, max_tokens=max_tokens,
             body=out, worst_case=worst_case, pin=pin, clamped=clamped,
             deadline=deadline, total_timeout=total_timeout, degraded=degraded,
-            prefix_key=up.router.prefix_key(tenant.id, payload), worst_terms=terms)
+            prefix_key=up.router.prefix_key(tenant.id, payload), worst_terms=terms,
+            request_versions=extras.versions())
 
     def _degrade(self, tenant: Tenant, priority: int, up: Upstream, max_tokens: int | None,
                  out: dict[str, Any]) -> tuple[int | None, str | None]:

@@ -12,6 +12,13 @@ Three counters, chosen per model by ``tokenizer:`` in gateway.yaml:
   special tokens a chat template adds. Settlement corrects it from the usage the upstream
   reports.
 
+A chat is counted as its upstream renders it (``structured.ChatExtras``): with its tools
+(by the chat template) and, for the bundled backend, the instruction that carries a
+``response_format``'s schema in the system message. ``LocalCounter`` renders them itself,
+``UpstreamCounter`` sends ``tools`` and ``response_format`` to ``/v1/tokenize`` (the
+latter to a Sluice backend only: another server does not put a schema in the prompt), and
+``ByteCounter`` adds their JSON bytes to its bound.
+
 Cheap checks first. Given a ``limit`` (the most prompt tokens the request may have: the
 tenant's cap, the context), the two exact counters apply the lower bound of
 ``protocol.prompt_bound`` (UTF-8 bytes ÷ the tokenizer's longest token: from ``modelfiles``
@@ -44,6 +51,7 @@ from protocol.offload import TokenizePool
 from protocol.prompt_bound import PromptBound
 
 from .errors import BadGateway, BadRequest, GatewayError, ServiceUnavailable
+from .structured import NO_EXTRAS, ChatExtras
 
 BYTE_BOUND_OVERHEAD = 16
 _CACHE_SIZE = 4096
@@ -63,11 +71,12 @@ class TokenCounter(Protocol):
     exact: bool
     name: str
 
-    async def count(self, kind: str, payload: Any, tools: Any = None, *, tenant: str = "",
-                    limit: int | None = None) -> int:
-        """Prompt tokens of a chat (``payload`` = messages) or completion (the prompt);
-        raises ``OverLimit`` when it provably has more than ``limit``, before any
-        tokenizing. ``tenant`` is whose work it is (the tokenizing pool's fairness)."""
+    async def count(self, kind: str, payload: Any, extras: ChatExtras = NO_EXTRAS, *,
+                    tenant: str = "", limit: int | None = None) -> int:
+        """Prompt tokens of a chat (``payload`` = messages, rendered with ``extras``) or
+        completion (the prompt); raises ``OverLimit`` when it provably has more than
+        ``limit``, before any tokenizing. ``tenant`` is whose work it is (the tokenizing
+        pool's fairness)."""
         ...
 
 
@@ -114,14 +123,23 @@ class ByteCounter:
     exact = False
     name = "bytes"
 
-    async def count(self, kind: str, payload: Any, tools: Any = None, *, tenant: str = "",
-                    limit: int | None = None) -> int:
+    async def count(self, kind: str, payload: Any, extras: ChatExtras = NO_EXTRAS, *,
+                    tenant: str = "", limit: int | None = None) -> int:
         ids = _token_ids(payload) if kind == "completion" else None
         if ids is not None:
             return len(ids)
         n = len(_json_bytes(payload)) + BYTE_BOUND_OVERHEAD
+        tools = extras.tools
         if tools:
             n += len(_json_bytes(tools))
+        # the schema's instruction as a message of its own (what the bundled backend adds to
+        # the system message, and more); for another server the response_format's JSON
+        # (one that puts the schema in the prompt, as OpenAI does, takes no more)
+        instruction = extras.structured.instruction
+        if instruction is not None:
+            n += len(_json_bytes({"role": "system", "content": instruction}))
+        elif extras.response_format is not None:
+            n += len(_json_bytes(extras.response_format))
         return n
 
 
@@ -147,15 +165,20 @@ class LocalCounter:
         self.bound = PromptBound.of(self.tokenizer.longest_token)  # reads the vocabulary
         self.pool = pool or TokenizePool()
 
-    def _count(self, kind: str, payload: Any, tools: Any, limit: int | None) -> tuple[int, int]:
+    def _count(self, kind: str, payload: Any, extras: ChatExtras,
+               limit: int | None) -> tuple[int, int]:
         """(tokens, characters tokenized): in a pool thread for a long prompt, on the loop
         for a short one. Rendered, then bounded (``OverLimit``, before any encoding), then
         counted (``Tokenizer.count``: no list of ids built, and the GIL released)."""
         tok = self.tokenizer
         try:
             if kind == "chat":
-                check_render_size(payload, tools)
-                text = tok.apply_chat_template(payload, add_generation_prompt=True, tools=tools)
+                tools = extras.tools
+                # + the schema's text, tool calls' arguments parsed: checked as rendered
+                messages = extras.structured.prompt_messages(payload)
+                check_render_size(messages, tools)
+                text = tok.apply_chat_template(messages, add_generation_prompt=True,
+                                               tools=tools)
                 special = False  # the rendered template carries its own (bos)
             else:
                 if isinstance(payload, list) and len(payload) == 1:
@@ -172,17 +195,18 @@ class LocalCounter:
                 raise OverLimit(at_least)
         return tok.count(text, add_special_tokens=special), len(text)
 
-    async def count(self, kind: str, payload: Any, tools: Any = None, *, tenant: str = "",
-                    limit: int | None = None) -> int:
+    async def count(self, kind: str, payload: Any, extras: ChatExtras = NO_EXTRAS, *,
+                    tenant: str = "", limit: int | None = None) -> int:
         if kind == "completion":
             ids = _token_ids(payload)
             if ids is not None:
                 return len(ids)
         check_bound(self.bound, kind, payload, limit)
-        if not self.pool.is_long(payload, tools):
-            return self._count(kind, payload, tools, limit)[0]
+        s = extras.structured
+        if not self.pool.is_long(payload, s.tools, s.instruction):
+            return self._count(kind, payload, extras, limit)[0]
         return await self.pool.run(tenant, functools.partial(self._count, kind, payload,
-                                                             tools, limit))
+                                                             extras, limit))
 
 
 class UpstreamCounter:
@@ -203,8 +227,8 @@ class UpstreamCounter:
         self._version_key = version_key  # callable -> str naming tokenizer + template
         self._cache = _Lru()
 
-    async def count(self, kind: str, payload: Any, tools: Any = None, *, tenant: str = "",
-                    limit: int | None = None) -> int:
+    async def count(self, kind: str, payload: Any, extras: ChatExtras = NO_EXTRAS, *,
+                    tenant: str = "", limit: int | None = None) -> int:
         if kind == "completion":
             ids = _token_ids(payload)
             if ids is not None:
@@ -212,20 +236,34 @@ class UpstreamCounter:
             if isinstance(payload, list) and len(payload) == 1:
                 payload = payload[0]
         check_bound(self._bound(), kind, payload, limit)
+        servers = self._servers() if self._servers is not None else [("", False)]
+        fields: dict[str, Any] = {"model": self._model}
         if kind == "chat":  # what the upstream would refuse: before serializing it here
-            check_render_size(payload)
-        # serialized once, on the loop (json.dumps holds the GIL anywhere): the key and the post
-        body = _json_bytes({"model": self._model,
-                            "messages" if kind == "chat" else "prompt": payload})
+            tools = extras.tools
+            check_render_size(payload, tools)
+            fields["messages"] = payload
+            if tools:
+                fields["tools"] = tools
+            # a Sluice backend puts the schema in the prompt; another server does not (and
+            # its /v1/tokenize may not take the field)
+            if extras.response_format is not None and servers[0][1]:
+                fields["response_format"] = extras.response_format
+        else:
+            fields["prompt"] = payload
+        # serialized once, on the loop (json.dumps holds the GIL anywhere): the key and the
+        # post; the key holds everything the count depends on (tools, format included)
+        body = _json_bytes(fields)
         key = hashlib.blake2b(str(self._version_key()).encode() + b"\0" + body,
                               digest_size=16).digest()
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        resp = await self._post(body, tenant)
+        resp = await self._post(body, tenant, servers)
         if resp.status_code == 400:
             message = _error_message(resp) or "the upstream refused the prompt"
-            raise BadRequest(message, "messages" if kind == "chat" else "prompt")
+            named = _error_field(resp)  # the field it names, when it is one that was sent
+            raise BadRequest(message, named if named in fields and named != "model"
+                             else "messages" if kind == "chat" else "prompt")
         if resp.status_code in (429, 503):  # its tokenizing pool is busy (for this tenant)
             err: GatewayError = (RateLimited if resp.status_code == 429 else ServiceUnavailable)(
                 _error_message(resp) or "the upstream cannot count tokens right now",
@@ -241,8 +279,8 @@ class UpstreamCounter:
         return count
 
 
-    async def _post(self, body: bytes, tenant: str) -> httpx.Response:
-        servers = self._servers() if self._servers is not None else [("", False)]
+    async def _post(self, body: bytes, tenant: str,
+                    servers: list[tuple[str, bool]]) -> httpx.Response:
         for i, (base, sluice) in enumerate(servers):
             headers = {"content-type": "application/json"}
             if tenant and sluice:
@@ -267,9 +305,17 @@ def _retry_after(resp: httpx.Response) -> float:
 
 
 def _error_message(resp: httpx.Response) -> str | None:
+    return _error_text(resp, "message")
+
+
+def _error_field(resp: httpx.Response) -> str | None:
+    return _error_text(resp, "param")
+
+
+def _error_text(resp: httpx.Response, name: str) -> str | None:
     try:
         err = resp.json().get("error", {})
-        msg = err.get("message")
-        return msg if isinstance(msg, str) else None
+        value = err.get(name)
+        return value if isinstance(value, str) else None
     except (ValueError, AttributeError):
         return None

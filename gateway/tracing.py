@@ -290,6 +290,8 @@ def describe(trace: NoTrace, p: Prepared) -> None:
               presence_penalty=body.get("presence_penalty"),
               stop=[stop] if isinstance(stop, str) else stop)
     trace.stamp(p.stamp)
+    for name, sha256 in p.request_versions.items():  # the request's schema and tools, full hex
+        trace.set(**{f"sluice.{name}_sha256": sha256})
     if p.degraded:
         trace.set(**{"sluice.degraded": p.degraded})
 

@@ -303,6 +303,19 @@ class Upstream:
         await self.client.aclose()
 
 
+REQUEST_FIELDS = frozenset({"schema", "tools"})  # a request's own versions, not the server's
+
+
+def server_part(reported: str) -> str:
+    """A server's ``x-sluice-resolved`` without the request's own fields (``schema=``,
+    ``tools=``): what names the server's versions, compared with what was last read from
+    it. The value itself when it has none (the common case costs two substring scans)."""
+    if "schema=" not in reported and "tools=" not in reported:
+        return reported
+    return ";".join(part for part in reported.split(";")
+                    if part.strip().partition("=")[0] not in REQUEST_FIELDS)
+
+
 def header_agrees(reported: str, versions: ServedVersions) -> bool:
     """Whether a server's ``x-sluice-resolved`` names these versions: each hash it names
     (revision, tokenizer, chat template; shortened) equals theirs. A value of another shape

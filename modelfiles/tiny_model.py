@@ -31,7 +31,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 TINY_MODEL_NAME = "sluice-tiny"
 # Bump whenever any output byte changes; it names the cache directory.
-GENERATOR_VERSION = "1"
+GENERATOR_VERSION = "2"  # 2: the chat template renders tools
 SEED = 20_240_917
 
 BOS_TOKEN = "<|begin_of_text|>"
@@ -80,16 +80,65 @@ TINY = SIZES["tiny"]
 # the argmax is rarely a near-tie.
 LM_HEAD_GAIN = 4.0
 
+# Tools (OpenAI's `tools`) are listed in the system turn, Hermes / Qwen style; an assistant's
+# `tool_calls` are written as the model is constrained to write them (protocol/tool_calls.py:
+# `<tool_call>\n{"name": "NAME", "arguments": {...}}\n</tool_call>`, "\n" between calls),
+# and tool results (role "tool") as `<tool_response>` blocks of one user turn. Chats without
+# tools render exactly as before tools were supported.
 CHAT_TEMPLATE = """\
 {{- bos_token }}
+{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages[0]['role'] == 'system' %}
+{{- messages[0]['content'] + '\\n\\n' }}
+{%- endif %}
+{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n' }}
+{{- 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
+{%- for tool in tools %}
+{{- '\\n' + (tool | tojson) }}
+{%- endfor %}
+{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and ' }}
+{{- 'arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n' }}
+{{- '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
+{%- endif %}
 {%- for message in messages %}
-{%- if message['role'] not in ['system', 'user', 'assistant'] %}
+{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}
 {{- raise_exception('Unsupported role: ' + message['role']) }}
 {%- endif %}
 {%- if message['role'] == 'system' and not loop.first %}
 {{- raise_exception('The system message must come first') }}
 {%- endif %}
+{%- if message['role'] == 'system' and tools %}
+{%- elif message['role'] == 'tool' %}
+{%- if loop.first or loop.previtem['role'] != 'tool' %}
+{{- '<|im_start|>user' }}
+{%- endif %}
+{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}
+{%- if loop.last or loop.nextitem['role'] != 'tool' %}
+{{- '<|im_end|>\\n' }}
+{%- endif %}
+{%- elif message['role'] == 'assistant' and message['tool_calls'] is defined %}
+{{- '<|im_start|>assistant\\n' }}
+{%- if message['content'] %}
+{{- message['content'] + '\\n' }}
+{%- endif %}
+{%- for call in message['tool_calls'] %}
+{%- set fn = call['function'] if call['function'] is defined else call %}
+{%- if not loop.first %}
+{{- '\\n' }}
+{%- endif %}
+{{- '<tool_call>\\n{"name": ' + (fn['name'] | tojson) + ', "arguments": ' }}
+{%- if fn['arguments'] is string %}
+{{- fn['arguments'] }}
+{%- else %}
+{{- fn['arguments'] | tojson }}
+{%- endif %}
+{{- '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- else %}
 {{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}
+{%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}
 {{- '<|im_start|>assistant\\n' }}

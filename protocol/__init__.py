@@ -16,6 +16,10 @@
     prompt_bound.py  a prompt's tokens bounded from below without tokenizing (token_bound)
     offload.py    the bounded, tenant-fair pool both servers tokenize long prompts in
     memory.py     freed heap given back to the system after large requests (Trimmer)
+    structured.py response_format / tools / tool_choice validated (a 400 naming the field)
+                  into a grammar, the prompt they render to, and their SHA-256 stamps
+    tool_grammar.py  the Lark grammars of tool-call turns (tool_choice auto, required, named)
+    tool_calls.py the tool-call text format: parsed whole, or streamed as OpenAI deltas
 
 It imports no other part of Sluice: only pydantic and Starlette (and uvicorn, in server.py).
 """

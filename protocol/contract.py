@@ -66,6 +66,7 @@ CAPABILITIES = frozenset({
 SLUICE_CAPABILITIES = frozenset({
     "top_k", "ignore_eos", "stop_token_ids", "priority", "cache_salt", "continuous_usage_stats",
     "seed", "stop", "user", "n", "logprobs", "logit_bias", "penalties", "speculative",
+    "tools", "response_format",
 })
 # What a generic OpenAI-compatible server is assumed to serve unless configured otherwise.
 OPENAI_CAPABILITIES = frozenset({
@@ -303,6 +304,9 @@ class TokenizeRequest(BaseModel):
     model: StrictStr | None = None
     prompt: StrictStr | list[Int] | None = None
     messages: list[dict[StrictStr, Any]] | None = None
+    # rendered as a chat would be: the tools by the chat template, a schema's instruction
+    tools: list[dict[StrictStr, Any]] | None = None
+    response_format: dict[StrictStr, Any] | None = None
     add_special_tokens: StrictBool | None = None
     add_generation_prompt: StrictBool | None = True
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Self
 
 from .errors import EngineDeadError, InvalidRequestError
+from .grammar import GrammarCompiler
 from .limits import RequestLimits
 from .outputs import EngineState, OutputDelta
 from .sampling import SamplingParams
@@ -48,6 +49,7 @@ class AsyncEngine:
         # raised, or its process exited), after every open stream has been failed: `serve`
         # exits then.
         self.on_dead: Callable[[], None] | None = None
+        self._grammars: GrammarCompiler | None = None  # checks grammars (built when needed)
 
     @classmethod
     def from_config(cls, config: EngineConfig, *,
@@ -72,8 +74,21 @@ class AsyncEngine:
         return self.transport.clock()
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ``InvalidRequestError`` for a request this engine can never serve."""
+        """Raise ``InvalidRequestError`` for a request this engine can never serve (a
+        grammar is checked here too: a schema it cannot enforce is refused before any
+        queue)."""
         self.transport.limits.validate(prompt_token_ids, params)
+        if params.grammar is not None:
+            self._grammar_checker().check(params.grammar)
+
+    def _grammar_checker(self) -> GrammarCompiler:
+        if self._grammars is None:
+            info = self.transport.info
+            if info is None:
+                raise EngineDeadError("engine is not started")
+            self._grammars = GrammarCompiler.for_tokenizer(info.tokenizer,
+                                                           info.limits.vocab_size)
+        return self._grammars
 
     def state(self) -> EngineState:
         """The snapshot taken after the latest step."""

@@ -28,6 +28,7 @@ from .detokenizer import IncrementalDetokenizer
 from .draft import DraftProposer, load_draft
 from .engine import LLMEngine, StepHook
 from .errors import InvalidRequestError
+from .grammar import GrammarCompiler
 from .kv_cache import allocate_kv_cache, kv_bytes_per_block
 from .model_runner import ModelRunner
 from .models.linear import can_prepack
@@ -194,6 +195,7 @@ def build_engine(config: EngineConfig, *, step_hook: StepHook | None = None) -> 
         seed=config.seed,
         step_hook=step_hook,
         proposer=proposer,
+        grammars=GrammarCompiler.for_tokenizer(tokenizer, mcfg.vocab_size, tuple(eos)),
     )
     log.info("engine ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens "
              "max_model_len=%d cpu_threads=%d", name, device, dtype, num_blocks, bs,

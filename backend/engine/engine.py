@@ -18,7 +18,7 @@ the request's last one (the last choice to end) is ``finished``.
 from __future__ import annotations
 
 import bisect
-import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -26,28 +26,25 @@ from typing import Protocol
 import torch
 
 from .errors import InvalidRequestError
+from .grammar import GrammarCompiler, LLMatcher
+from .grammar_masks import Constraints, MaskJob
 from .limits import RequestLimits
-from .outputs import EngineState, OutputDelta, RequestMetrics, TokenLogprob
-from .sampler import Argmax, make_generator, sample, token_logprobs, torch_argmax
+from .outputs import EngineState, OutputDelta, RequestMetrics, TokenLogprob, merge_deltas
+from .sampler import (
+    Argmax,
+    choice_seed,
+    make_generator,
+    sample,
+    token_logprobs,
+    torch_argmax,
+)
 from .sampling import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import FinishReason, Sequence, SequenceStatus
 from .spec import Draft, Proposer, SpecStats, verify
 from .stop import StopStringMatcher
 
-
-def _merge(deltas: list[OutputDelta]) -> OutputDelta:
-    """One delta for several tokens of one choice made in one step (the last one's
-    status, every token's text, ids, times and logprobs)."""
-    last = deltas[-1]
-    if len(deltas) == 1:
-        return last
-    lps = None if last.logprobs is None else tuple(
-        lp for d in deltas for lp in (d.logprobs or ()))
-    return dataclasses.replace(
-        last, text="".join(d.text for d in deltas),
-        token_ids=tuple(t for d in deltas for t in d.token_ids),
-        token_times=tuple(t for d in deltas for t in d.token_times), logprobs=lps)
+log = logging.getLogger("sluice.engine")
 
 
 class Detokenizer(Protocol):
@@ -63,17 +60,6 @@ class Runner(Protocol):
 StepHook = Callable[[], None]
 
 
-# Choice i > 0 of a seeded request draws from seed + i * this (mod 2**64): odd, so the n
-# generators' seeds differ, and choice 0 draws exactly what the same request with n = 1
-# would (the golden ratio's 64-bit fraction, as splitmix64 steps).
-CHOICE_SEED_STEP = 0x9E37_79B9_7F4A_7C15
-
-
-def choice_seed(seed: int, index: int) -> int:
-    """The seed of choice ``index`` of a request seeded with ``seed``."""
-    return (seed + index * CHOICE_SEED_STEP) & 0xFFFF_FFFF_FFFF_FFFF
-
-
 @dataclass(slots=True)
 class _ChoiceState:
     """Output-side state of one choice (one sequence) of a live request."""
@@ -81,6 +67,7 @@ class _ChoiceState:
     detok: Detokenizer
     stopper: StopStringMatcher
     generator: torch.Generator | None
+    matcher: LLMatcher | None = None  # its grammar's state (constrained decoding)
 
 
 @dataclass(slots=True)
@@ -106,8 +93,13 @@ class LLMEngine:
         seed: int = 0,
         step_hook: StepHook | None = None,
         proposer: Proposer | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.runner = runner
+        # constrained decoding (grammar.py): a matcher per constrained choice, masks
+        # computed beside the forward pass; a step without one pays nothing
+        self.grammars = grammars
+        self.constraints = Constraints(grammars, vocab_size)
         self.step_hook = step_hook
         # speculative decoding (spec.py): the scheduler reserves draft slots, this drafts
         self.proposer = proposer
@@ -168,8 +160,12 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def _choice_state(self, seq: Sequence) -> _ChoiceState:
+    def _choice_state(self, seq: Sequence,
+                      parent: _ChoiceState | None = None) -> _ChoiceState:
+        """A new choice's output state (``parent``: the choice it forks from)."""
         params = seq.params
+        matcher = None if params.grammar is None else self.constraints.matcher(
+            params.grammar, None if parent is None else parent.matcher)
         generator = None
         if not params.greedy:
             if params.seed is not None:
@@ -178,7 +174,7 @@ class LLMEngine:
                 self._num_unseeded += 1
                 generator = make_generator(self.seed * 1_000_003 + self._num_unseeded)
         return _ChoiceState(self.make_detokenizer(seq.prompt_token_ids),
-                            StopStringMatcher(params.stop), generator)
+                            StopStringMatcher(params.stop), generator, matcher)
 
     def mark_abort(self, request_id: str, *, at: float | None = None) -> None:
         """Note how far a request had got when its abort was asked for (any thread).
@@ -206,6 +202,7 @@ class LLMEngine:
         after = state.num_output_tokens - mark
         self.max_tokens_after_abort = max(self.max_tokens_after_abort, after)
         seq.finished_time = self.clock()
+        self.constraints.release(sum(c.matcher is not None for c in state.choices.values()))
         state.choices.clear()
         return self._final_delta(seq, "", (), (), tokens_after_abort=after,
                                  abort_time=state.abort_time)
@@ -232,13 +229,19 @@ class LLMEngine:
             if self.proposer is not None:
                 self.proposer.copy_blocks(out.copies)
         drafts = self._propose(out.chunks)
+        masks = self._start_masks(out.chunks) if self.constraints.live else None
         logits = self.runner.execute(out.chunks)
+        raw = None  # logprobs read the model's logits, before any mask (as without one)
+        if masks is not None:
+            if masks.wants_raw:
+                raw = logits.clone()
+            logits = masks.apply(logits)
         now = self.clock()
         self.steps += 1
         self.scheduler.on_step_done(out, started, now)
         chunks = [c for c in out.chunks if c.samples]
         if not drafts:
-            deltas = self._sample([c.seq for c in chunks], logits, now)
+            deltas = self._sample([c.seq for c in chunks], logits, now, raw)
         else:  # rows: one per plain chunk, 1 + m per chunk with m drafts
             plain: list[int] = []
             spec: list[tuple[ScheduledChunk, int]] = []
@@ -250,23 +253,47 @@ class LLMEngine:
                     plain.append(row)
                 row += 1 + len(c.draft)
             deltas = self._sample([c.seq for c in chunks if not c.draft],
-                                  logits[plain], now) if plain else []
+                                  logits[plain], now,
+                                  None if raw is None else raw[plain]) if plain else []
             deltas += self._verify(spec, drafts, logits, now)
         for c in out.chunks:
             if c.num_spec and not c.draft:  # reserved, but nothing was drafted
                 self.scheduler.accept(c.seq, 0, 0)
         return deltas
 
-    def _sample(self, sampling: list[Sequence], logits: torch.Tensor,
-                now: float) -> list[OutputDelta]:
-        """One token for each sequence, from its row of ``logits``."""
+    def _start_masks(self, chunks: list[ScheduledChunk]) -> MaskJob | None:
+        """Start the masks of the step's constrained rows (a worker computes them while
+        the model runs); None when no row is constrained. A constrained chunk never has
+        drafts (``Scheduler._num_spec``), so its row is one row of the logits."""
+        work: list[tuple[LLMatcher, int]] = []
+        wants_raw = False
+        row = 0
+        for c in chunks:
+            if not c.samples:
+                continue
+            state = self._requests.get(c.seq.request_id)
+            choice = state.choices.get(c.seq.index) if state is not None else None
+            if choice is not None and choice.matcher is not None:
+                work.append((choice.matcher, row))
+                wants_raw = wants_raw or c.seq.params.logprobs is not None
+            row += 1 + len(c.draft)
+        return self.constraints.start(work, wants_raw)
+
+    def _sample(self, sampling: list[Sequence], logits: torch.Tensor, now: float,
+                raw: torch.Tensor | None = None) -> list[OutputDelta]:
+        """One token for each sequence, from its row of ``logits`` (``raw``: the same
+        rows before the grammars' masks, for logprobs)."""
         if any(s.awaits_fork for s in sampling):
-            sampling, logits = self._fork(sampling, logits)
+            rows = self._fork(sampling)
+            sampling = [s for s, _ in rows]
+            index = torch.tensor([r for _, r in rows], dtype=torch.long)
+            logits = logits.index_select(0, index)
+            raw = None if raw is None else raw.index_select(0, index)
         params = [s.params for s in sampling]
         gens = [self._generator(s) for s in sampling]
         outputs = [s.output_token_ids if s.params.penalized else () for s in sampling]
         tokens = sample(logits, params, gens, self._argmax, outputs)
-        lps = token_logprobs(logits, params, tokens)
+        lps = token_logprobs(logits if raw is None else raw, params, tokens)
         return [self._append_token(seq, tok, now, lp)
                 for seq, tok, lp in zip(sampling, tokens, lps)]
 
@@ -314,28 +341,25 @@ class LLMEngine:
             stats.accepted += min(accepted, len(mine))  # not the ones after a stop
             stats.verified += 1
             stats.emitted += len(mine)
-            deltas.append(_merge(mine))
+            deltas.append(merge_deltas(mine))
             if self.proposer is not None:
                 self.proposer.after_verify(c, accepted)
             self.scheduler.accept(seq, accepted, len(c.draft))
         return deltas
 
-    def _fork(self, sampling: list[Sequence],
-              logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+    def _fork(self, sampling: list[Sequence]) -> list[tuple[Sequence, int]]:
         """Fork the requests whose prompt was just computed into their ``n`` choices; the
-        sampling sequences and their logits rows, each child's a copy of its parent's."""
-        seqs: list[Sequence] = []
-        rows: list[int] = []
+        sampling sequences with their row of the logits (each child's its parent's)."""
+        out: list[tuple[Sequence, int]] = []
         for row, seq in enumerate(sampling):
-            seqs.append(seq)
-            rows.append(row)
+            out.append((seq, row))
             if seq.awaits_fork:
                 state = self._requests[seq.request_id]
+                parent = state.choices[seq.index]
                 for child in self.scheduler.fork(seq):
-                    state.choices[child.index] = self._choice_state(child)
-                    seqs.append(child)
-                    rows.append(row)
-        return seqs, logits.index_select(0, torch.tensor(rows, dtype=torch.long))
+                    state.choices[child.index] = self._choice_state(child, parent)
+                    out.append((child, row))
+        return out
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         state = self._requests.get(seq.request_id)
@@ -359,9 +383,14 @@ class LLMEngine:
         if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             reason = FinishReason.STOP  # the stop token itself is not part of the text
         else:
-            text, matched = choice.stopper.feed(choice.detok.add([tok]))
-            if matched:
+            if choice.matcher is not None and not choice.matcher.consume_token(tok):
+                # cannot happen: the token was sampled under this matcher's mask
+                log.error("request %s: its grammar refused token %d: %s", seq.request_id,
+                          tok, choice.matcher.get_error())
                 reason = FinishReason.STOP
+            text, matched = choice.stopper.feed(choice.detok.add([tok]))
+            if matched or (choice.matcher is not None and choice.matcher.is_stopped()):
+                reason = FinishReason.STOP  # a complete grammar allows nothing more
         if reason is None:
             reason = self.scheduler.check_length(seq)
         if reason is None:
@@ -376,6 +405,8 @@ class LLMEngine:
             text += tail if matched else tail + choice.stopper.flush()
         seq.finish_reason = reason
         seq.finished_time = now
+        if choice.matcher is not None:
+            self.constraints.release()
         del state.choices[seq.index]
         delta = self._final_delta(seq, text, (tok,), (now,),
                                   logprobs=None if lp is None else (lp,))
@@ -448,6 +479,9 @@ class LLMEngine:
             spec_verify_steps=self.spec_stats.verified,
             spec_emitted_tokens=self.spec_stats.emitted,
             spec_draft_seconds=self.spec_stats.draft_seconds,
+            grammar_sequences=self.constraints.live,
+            grammar_compiles=self.constraints.compiles,
+            grammar_cache_hits=self.constraints.cache_hits,
         )
 
     def _weight_bytes(self) -> int:

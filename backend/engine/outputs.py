@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 
@@ -98,6 +98,11 @@ class EngineState:
     spec_verify_steps: int = 0
     spec_emitted_tokens: int = 0
     spec_draft_seconds: float = 0.0
+    # constrained decoding (grammar.py): choices holding a grammar's state now; grammars
+    # compiled and requests whose grammar was already compiled, since start
+    grammar_sequences: int = 0
+    grammar_compiles: int = 0
+    grammar_cache_hits: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -116,3 +121,17 @@ class EngineState:
         out["spec_acceptance_rate"] = self.spec_acceptance_rate
         out["spec_tokens_per_step"] = self.spec_tokens_per_step
         return out
+
+
+def merge_deltas(deltas: list[OutputDelta]) -> OutputDelta:
+    """One delta for several tokens of one choice made in one step (the last one's
+    status, every token's text, ids, times and logprobs)."""
+    last = deltas[-1]
+    if len(deltas) == 1:
+        return last
+    lps = None if last.logprobs is None else tuple(
+        lp for d in deltas for lp in (d.logprobs or ()))
+    return replace(
+        last, text="".join(d.text for d in deltas),
+        token_ids=tuple(t for d in deltas for t in d.token_ids),
+        token_times=tuple(t for d in deltas for t in d.token_times), logprobs=lps)

@@ -40,6 +40,17 @@ NEG_INF = float("-inf")
 BLOCK_ROWS = 2
 
 
+# Choice i > 0 of a seeded request draws from seed + i * this (mod 2**64): odd, so the n
+# generators' seeds differ, and choice 0 draws exactly what the same request with n = 1
+# would (the golden ratio's 64-bit fraction, as splitmix64 steps).
+CHOICE_SEED_STEP = 0x9E37_79B9_7F4A_7C15
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a request seeded with ``seed``."""
+    return (seed + index * CHOICE_SEED_STEP) & 0xFFFF_FFFF_FFFF_FFFF
+
+
 def torch_argmax(logits: torch.Tensor) -> list[int]:
     """The first index of each row's largest value (NaN counts as largest)."""
     return logits.argmax(dim=-1).tolist()

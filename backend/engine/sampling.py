@@ -3,11 +3,33 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from .errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # top logprobs per token, at most (OpenAI's chat limit)
 MAX_N = 128  # choices per request, at most (OpenAI's limit)
+
+
+@dataclass(slots=True, frozen=True)
+class GrammarSpec:
+    """A constraint on a request's output (structured outputs, tool calls): the tokens it
+    may sample are those the grammar allows (``grammar.py`` compiles it).
+
+    ``kind``: ``json_schema`` (``source`` is a JSON Schema, as JSON text) or ``lark`` (a
+    Lark grammar in llguidance's dialect, where ``%json{...}`` embeds a JSON Schema).
+    ``param``: the request field a refusal names (``response_format``, ``tools``).
+    """
+
+    kind: Literal["json_schema", "lark"]
+    source: str
+    param: str = "response_format"
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("json_schema", "lark"):
+            raise InvalidRequestError(f"unknown grammar kind {self.kind!r}", self.param)
+        if not isinstance(self.source, str) or not self.source:
+            raise InvalidRequestError("the grammar must be a non-empty string", self.param)
 
 
 @dataclass(slots=True, frozen=True)
@@ -21,6 +43,7 @@ class SamplingParams:
     ``logprobs``: report each output token's logprob and this many top ones (None: none).
     ``n``: how many choices to generate from one prefill of the prompt.
     ``speculative``: False opts the request out of speculative decoding.
+    ``grammar``: constrain the output to a grammar (``GrammarSpec``; None: free text).
     """
 
     max_tokens: int = 16
@@ -37,6 +60,7 @@ class SamplingParams:
     logprobs: int | None = None
     n: int = 1
     speculative: bool = True  # may be drafted for, where the engine speculates (spec.py)
+    grammar: GrammarSpec | None = None  # constrained decoding (grammar.py)
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -60,6 +84,12 @@ class SamplingParams:
             raise InvalidRequestError("ignore_eos must be a boolean", "ignore_eos")
         if not isinstance(self.speculative, bool):
             raise InvalidRequestError("speculative must be a boolean", "speculative")
+        if self.grammar is not None:
+            if not isinstance(self.grammar, GrammarSpec):
+                raise InvalidRequestError("grammar must be a GrammarSpec", "response_format")
+            if self.ignore_eos:  # a finished grammar allows nothing but the end
+                raise InvalidRequestError("ignore_eos cannot be combined with "
+                                          f"{self.grammar.param}", "ignore_eos")
         _check_int("n", self.n, minimum=1)
         if self.n > MAX_N:
             raise InvalidRequestError(f"n must be at most {MAX_N}", "n")

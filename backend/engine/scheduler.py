@@ -294,9 +294,11 @@ class Scheduler:
         """Drafts to reserve for a decoding sequence: within the budget, and never past
         its ``max_tokens`` or the context length (a step emits accepted + 1 tokens). Seeded
         sampled requests never speculate: how many drafts a step gets depends on the batch,
-        and so would their draws, where a seed promises the same tokens in any batch."""
+        and so would their draws, where a seed promises the same tokens in any batch.
+        Constrained ones (a grammar) do not either: their masks are one per step."""
         p = seq.params
         if not p.speculative or p.penalized or (p.seed is not None and not p.greedy) \
+                or p.grammar is not None \
                 or seq.num_output_tokens == 0:  # its prompt's last chunk (before n forks)
             return 0
         if seq.spec_pause:

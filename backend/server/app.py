@@ -31,7 +31,7 @@ from telemetry import Telemetry
 from .auth import ApiKeyMiddleware
 from .errors import from_engine_error
 from .metrics import CONTENT_TYPE
-from .middleware import RequestContextMiddleware
+from .middleware import RESOLVED_SUFFIX, RequestContextMiddleware
 from .responses import GenerationResponse
 from .service import ModelService, tenant_of
 
@@ -127,6 +127,9 @@ def _generation_route(kind: str) -> Handler:
         # names the engine request too, made unique if the same id is in flight.
         prepared.request_id = rec.request_id = service.claim_id(rec.request_id)
         rec.p = prepared
+        suffix = prepared.structured.header_suffix()
+        if suffix:  # x-sluice-resolved names the schema and the tools this answer followed
+            request.scope["state"][RESOLVED_SUFFIX] = suffix.encode("latin-1", "replace")
         return _AsResponse(GenerationResponse(service, prepared, rec))
 
     handler.__name__ = f"{kind}_completions"

@@ -21,6 +21,7 @@ from protocol.sse import dumps, error_event
 from .errors import from_engine_error
 from .service import ModelService, Prepared
 from .sse import Choice, ChunkEncoder, whole_response
+from .tool_calls import ToolCallEncoder
 from .tracing import RequestRecord
 
 log = logging.getLogger("sluice.backend")
@@ -152,7 +153,10 @@ class GenerationResponse:
 
     async def _stream(self, send: Send, raw_send: Send) -> None:
         wants_logprobs = self.p.params.logprobs is not None
-        enc = ChunkEncoder(self.p, self.service.logprob_format if wants_logprobs else None)
+        base = ChunkEncoder(self.p, self.service.logprob_format if wants_logprobs else None)
+        enc: ChunkEncoder | ToolCallEncoder = base
+        if self.p.kind == "chat" and self.p.structured.calls_tools:
+            enc = ToolCallEncoder(base)  # text read as content and tool_calls deltas
         # per choice, the logprobs of tokens not yet sent
         pending: dict[int, list[tuple[int, TokenLogprob]]] = {}
         self._started = True

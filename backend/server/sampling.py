@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from backend.engine.sampling import SamplingParams
+from backend.engine.sampling import GrammarSpec, SamplingParams
 from protocol.contract import ChatRequest, Request
+from protocol.structured import NO_STRUCTURE, Structured
 
 
-def sampling_params(req: Request, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+def sampling_params(req: Request, num_prompt_tokens: int, max_model_len: int,
+                    structured: Structured = NO_STRUCTURE) -> SamplingParams:
     """Engine parameters; the engine raises its InvalidRequestError for bad values.
 
     ``req`` has passed the field policy against what the engine serves, so every field that
-    could change the answer is one translated here.
+    could change the answer is one translated here; ``structured`` is what its
+    ``response_format`` and ``tools`` ask (``protocol.structured.structured_of``).
     """
     if req.max_completion_tokens is not None:
         max_tokens = req.max_completion_tokens
@@ -42,7 +45,15 @@ def sampling_params(req: Request, num_prompt_tokens: int, max_model_len: int) ->
         logit_bias=tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items()),
         logprobs=logprobs(req),
         speculative=req.speculative is not False,
+        grammar=grammar(structured),
     )
+
+
+def grammar(structured: Structured) -> GrammarSpec | None:
+    """The engine's constraint for a request's output (None: free text)."""
+    if structured.grammar_kind is None or structured.grammar is None:
+        return None
+    return GrammarSpec(structured.grammar_kind, structured.grammar, structured.param)
 
 
 def logprobs(req: Request) -> int | None:

@@ -27,13 +27,13 @@ import logging
 import time
 import uuid
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from backend.engine.async_engine import AsyncEngine, RequestStream
 from backend.engine.errors import PromptTooLongError
 from backend.engine.outputs import OutputDelta
-from backend.engine.sampling import SamplingParams
+from backend.engine.sampling import GrammarSpec, SamplingParams
 from modelfiles.errors import ModelFileError
 from protocol.contract import (
     SLUICE_CAPABILITIES,
@@ -49,6 +49,7 @@ from protocol.memory import Trimmer
 from protocol.offload import TokenizePool
 from protocol.prompt_bound import FIELD as TOKEN_BOUND_FIELD
 from protocol.prompt_bound import PromptBound
+from protocol.structured import NO_STRUCTURE, Structured, structured_of
 from telemetry import Telemetry, extract, priority_class
 
 from .errors import from_model_file_error
@@ -76,6 +77,8 @@ class Prepared:
     model: str
     fingerprint: str
     continuous_usage: bool = False  # usage on every chunk (stream_options)
+    # response_format / tools: the grammar, the versions stamped, whether to read tool calls
+    structured: Structured = NO_STRUCTURE
     temperature: float | None = None  # as asked (None: not given)
     top_p: float | None = None
     created: int = field(default_factory=lambda: int(time.time()))
@@ -181,24 +184,27 @@ class ModelService:
         raise ModelNotFound(f"the model {model!r} does not exist; this server serves "
                             f"{self.model_name!r}", "model")
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The chat template's text for ``messages`` (its own special tokens included)."""
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat template's text for ``messages`` and ``tools`` (its own special tokens
+        included)."""
         try:
             return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt)
+                messages, add_generation_prompt=add_generation_prompt, tools=tools)
         except ModelFileError as exc:
             raise from_model_file_error(exc) from exc
 
     def _tokenize(self, kind: Kind, value: Any, flag: bool, limit: int | None,
-                  long: bool) -> tuple[list[int], int]:
-        """(token ids, characters tokenized) of a chat's messages (``flag``: add the
-        generation prompt) or a completion's prompt (``flag``: add special tokens). The
+                  long: bool, tools: list[dict[str, Any]] | None = None) \
+            -> tuple[list[int], int]:
+        """(token ids, characters tokenized) of a chat's messages and tools (``flag``: add
+        the generation prompt) or a completion's prompt (``flag``: add special tokens). The
         text is rendered, then bounded against ``limit`` (``PromptTooLongError`` before any
         encoding: the bound applies to exactly what would be encoded), then encoded: in a
         pool thread when ``long`` (the GIL released), else here."""
         if kind == "chat":
-            check_render_size(value)
-            text, special = self.render(value, flag), False  # the template has its bos
+            check_render_size(value, tools)
+            text, special = self.render(value, flag, tools), False  # the template has its bos
         else:
             prompt = one_prompt(value)
             if not isinstance(prompt, str):
@@ -212,16 +218,18 @@ class ModelService:
         return encode(text, add_special_tokens=special), len(text)
 
     async def tokenize_prompt(self, tenant: str, kind: Kind, value: Any, flag: bool = True,
-                              limit: int | None = None) -> list[int]:
+                              limit: int | None = None,
+                              tools: list[dict[str, Any]] | None = None) -> list[int]:
         """``_tokenize``: here when short, else in the tenant's share of the pool (429 / 503
-        when that is full). ``limit``: refuse a prompt provably over it, untokenized."""
+        when that is full). ``limit``: refuse a prompt provably over it, untokenized.
+        ``tools``: what the chat template renders as the tools (``Structured``)."""
         pool = self.tokenize_pool
         ids = kind == "completion" and isinstance(value, list) and bool(value) \
             and type(value[0]) is int
-        if ids or not pool.is_long(value):  # token ids need no pool
-            return self._tokenize(kind, value, flag, limit, False)[0]
+        if ids or not pool.is_long(value, tools):  # token ids need no pool
+            return self._tokenize(kind, value, flag, limit, False, tools)[0]
         return await pool.run(tenant, functools.partial(self._tokenize, kind, value, flag,
-                                                        limit, True))
+                                                        limit, True, tools))
 
     def too_long(self, kind: Kind, tokens: int, at_least: bool = False) -> PromptTooLongError:
         has = f"at least {tokens}" if at_least else f"{tokens}"
@@ -246,20 +254,30 @@ class ModelService:
         req = parse(kind, body)
         self.check_model(req.model)
         check_capabilities(req, self.model_name, SLUICE_CAPABILITIES)
-        payload = req.messages if isinstance(req, ChatRequest) else req.prompt
+        structured = NO_STRUCTURE
+        payload: Any
+        if isinstance(req, ChatRequest):
+            structured = structured_of(req)  # 400s naming response_format, tools, ...
+            payload = structured.prompt_messages(req.messages)
+        else:
+            payload = req.prompt
         self.check_bound(kind, payload)
         prompt_ids = await self.tokenize_prompt(tenant, kind, payload,
-                                                limit=self.max_model_len - 1)
+                                                limit=self.max_model_len - 1,
+                                                tools=structured.template_tools())
         n = len(prompt_ids)
         if n >= self.max_model_len:
             raise self.too_long(kind, n)
-        params = sampling_params(req, n, self.max_model_len)
+        params = sampling_params(req, n, self.max_model_len, structured)
+        for check_kind, source, param in structured.checks:  # each field's grammar alone
+            self.engine.validate(prompt_ids, replace(
+                params, grammar=GrammarSpec(check_kind, source, param)))
         self.engine.validate(prompt_ids, params)
         return Prepared(
             kind=kind, request_id=request_id or "", prompt_ids=prompt_ids, params=params,
             priority=req.priority or 0, cache_salt=req.cache_salt or None,
             stream=bool(req.stream), include_usage=req.include_usage,
-            continuous_usage=req.continuous_usage,
+            continuous_usage=req.continuous_usage, structured=structured,
             model=self.model_name, fingerprint=self.fingerprint,
             temperature=None if req.temperature is None else float(req.temperature),
             top_p=None if req.top_p is None else float(req.top_p))
@@ -342,9 +360,16 @@ class ModelService:
         req = parse_tokenize(body)
         self.check_model(req.model)
         if req.messages is not None:
-            tokens = await self.tokenize_prompt(tenant, "chat", req.messages,
-                                                bool(req.add_generation_prompt))
+            structured = structured_of(req)  # as a chat with these tools and format renders
+            tokens = await self.tokenize_prompt(tenant, "chat",
+                                                structured.prompt_messages(req.messages),
+                                                bool(req.add_generation_prompt),
+                                                tools=structured.template_tools())
         else:
+            for name in ("tools", "response_format"):
+                if getattr(req, name) is not None:  # nothing renders them: not ignored
+                    raise BadRequest(f"'{name}' needs 'messages' (a chat renders it)", name,
+                                     code="invalid_value")
             add = True if req.add_special_tokens is None else req.add_special_tokens
             tokens = await self.tokenize_prompt(tenant, "completion", req.prompt, add)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len}

@@ -15,6 +15,7 @@ from protocol.sse import DONE, dumps, event
 
 from .logprobs import Entries, LogprobFormat
 from .service import Prepared
+from .tool_calls import tool_call_message
 
 # What ``dumps`` does with a str (ensure_ascii=False), without its Python frame.
 quote = encode_basestring
@@ -96,10 +97,22 @@ class ChunkEncoder:
     def final(self, delta: OutputDelta, entries: Entries = ()) -> bytes:
         """The request's last delta: its choice's last chunk (``end``), the usage chunk if
         asked, [DONE]."""
-        out = self.end(delta, entries)
+        return self.end(delta, entries) + self.closing(delta)
+
+    def closing(self, delta: OutputDelta) -> bytes:
+        """What follows the last choice's last chunk: the usage chunk if asked, [DONE]."""
         if self.p.include_usage:
-            out += event({**self._envelope, "choices": [], "usage": usage(delta)})
-        return out + DONE
+            return event({**self._envelope, "choices": [], "usage": usage(delta)}) + DONE
+        return DONE
+
+    def delta(self, body: dict[str, Any], index: int, reason: str | None = None,
+              running: OutputDelta | None = None,
+              entries: Entries | None = None) -> bytes:
+        """A chat chunk of choice ``index`` with this ``delta`` object (tool calls), its
+        finish_reason, and the logprobs of ``entries`` when asked."""
+        lps = self._logprobs(entries, index) if entries else None
+        running = running if self.p.continuous_usage else None
+        return self._chunk(body, reason, running, lps, index)
 
     def _logprobs(self, entries: Entries, index: int = 0) -> dict[str, Any] | None:
         if self.lp is None:
@@ -148,7 +161,11 @@ def whole_response(p: Prepared, choices: list[Choice], final: OutputDelta,
     out: list[dict[str, Any]] = []
     for i, c in enumerate(choices):
         lps = logprobs[i] if logprobs is not None else None
-        if p.kind == "chat":
+        if p.kind == "chat" and p.structured.calls_tools:
+            message, reason = tool_call_message("".join(c.parts), c.finish_reason)
+            out.append({"index": i, "message": message, "logprobs": lps,
+                        "finish_reason": reason})
+        elif p.kind == "chat":
             out.append({"index": i, "message": {"role": "assistant", "content": "".join(c.parts)},
                         "logprobs": lps, "finish_reason": c.finish_reason})
         else:

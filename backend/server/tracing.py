@@ -102,6 +102,9 @@ def request_attributes(rec: RequestRecord, versions: dict[str, Any]) -> dict[str
         attrs.update({"sluice.priority": p.priority, "gen_ai.request.stream": p.stream,
                       "gen_ai.response.id": p.response_id,
                       "gen_ai.request.max_tokens": p.params.max_tokens})
+        # response_format's schema and the tools, as stamped on x-sluice-resolved (full hex)
+        for name, sha in p.structured.versions().items():
+            attrs[f"sluice.{name}_sha256"] = sha
         if p.temperature is not None:
             attrs["gen_ai.request.temperature"] = p.temperature
         if p.top_p is not None:

@@ -1,7 +1,9 @@
 """A scriptable stand-in for the bundled backend, on a real socket (uvicorn in a thread).
 
-It reports resolved versions like `sluice backend` (``/v1/models`` + ``x-sluice-resolved``),
-counts tokens as whitespace-separated words, and streams ``chunks`` words. ``mode`` makes it
+It reports resolved versions like `sluice backend` (``/v1/models`` + ``x-sluice-resolved``,
+with the request's ``schema=``/``tools=`` on an answer to a request that has them), counts
+tokens as whitespace-separated words of the JSON of what it renders (messages, tools,
+response_format), and streams ``chunks`` words. ``mode`` makes it
 misbehave: ``"500"``, ``"503"``, ``"400"``, ``"die"`` (drops the stream after two chunks),
 ``"hold"`` (streams two chunks, then waits for ``release``), ``"stall"`` (waits for
 ``release`` before answering at all), ``"slow"`` (each answer takes 50 ms).
@@ -32,6 +34,8 @@ class FakeBackend:
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []  # of each generation request
         self.tokenized: list[dict[str, str]] = []  # the headers of each /v1/tokenize
+        self.tokenize_bodies: list[dict[str, Any]] = []  # … and its body
+        self.models_reads = 0  # GET /v1/models answered
         # (x-request-id, the revision it answered at, monotonic time) of each generation
         # answered 200
         self.served: list[tuple[str, str, float]] = []
@@ -73,10 +77,17 @@ class FakeBackend:
         r = self.resolved(revision)
         return f"model={self.name}; revision={r['revision'][:12]}; engine=fake"
 
-    def _headers(self, revision: str | None = None) -> dict[str, str]:
-        return {"x-sluice-resolved": self.header(revision)}
+    def _headers(self, revision: str | None = None,
+                 body: dict[str, Any] | None = None) -> dict[str, str]:
+        value = self.header(revision)
+        if body is not None and body.get("response_format"):  # the request's own versions
+            value += "; schema=" + "5" * 12
+        if body is not None and body.get("tools"):
+            value += "; tools=" + "7" * 12
+        return {"x-sluice-resolved": value}
 
     async def _models(self, request: Request) -> Response:
+        self.models_reads += 1
         revision = self.revision
         entry = {"id": self.name, "object": "model", "max_model_len": 4096,
                  "revision": revision, "resolved": self.resolved(revision)}
@@ -91,7 +102,10 @@ class FakeBackend:
     async def _tokenize(self, request: Request) -> Response:
         self.tokenized.append(dict(request.headers))
         body = await request.json()
-        text = json.dumps(body.get("messages") or body.get("prompt"))
+        self.tokenize_bodies.append(body)
+        rendered = [body.get(k) for k in ("messages", "prompt", "tools", "response_format")
+                    if body.get(k) is not None]
+        text = json.dumps(rendered[0] if len(rendered) == 1 else rendered)
         return JSONResponse({"count": len(text.split()), "tokens": []})
 
     async def _generate(self, request: Request) -> Response:
@@ -134,7 +148,7 @@ class FakeBackend:
             return JSONResponse({**base, "object": "chat.completion" if chat else
                                  "text_completion", "choices": [msg],
                                  "usage": usage(self.chunks)},
-                                headers=self._headers(revision))
+                                headers=self._headers(revision, body))
 
         async def events() -> Any:
             try:
@@ -158,4 +172,4 @@ class FakeBackend:
                 raise
 
         return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers=self._headers(revision))
+                                 headers=self._headers(revision, body))

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import re
+from typing import Any, Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 
 from .conftest import ALPHA, BETA, SluiceUp
@@ -130,11 +133,12 @@ def test_errors_map_to_the_sdk_exceptions(sluice_up: SluiceUp) -> None:
         client(sluice_up).chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x"}], n=129)
     assert bad.value.param == "n"  # served up to 128
-    with pytest.raises(openai.BadRequestError) as tools:
+    with pytest.raises(openai.BadRequestError) as schema:  # a json_schema with no schema
         client(sluice_up).chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x"}],
-            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-    assert tools.value.param == "tools"
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "x", "schema": 5}})
+    assert schema.value.param == "response_format"
     with pytest.raises(openai.BadRequestError) as unknown:
         client(sluice_up).chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x"}],
@@ -187,3 +191,45 @@ def test_health_and_readiness(sluice_up: SluiceUp) -> None:
     ready = httpx.get(sluice_up.url + "/readyz")
     assert ready.status_code == 200
     assert ready.json()["checks"]["sluice-tiny"]["ok"] is True
+
+
+class Weather(pydantic.BaseModel):
+    """Every value from a short list: the tiny model's random weights end the answer soon."""
+
+    city: Literal["Paris", "Rome"]
+    rain: bool
+
+
+def test_the_sdk_parses_a_pydantic_response_format(sluice_up: SluiceUp) -> None:
+    """``client.beta.chat.completions.parse``, unchanged, through the gateway: the output
+    follows the schema (on random weights only the constraint can do that), and the answer
+    is stamped with the schema's hash."""
+    raw = client(sluice_up).beta.chat.completions.with_raw_response.parse(
+        model=MODEL, messages=[{"role": "user", "content": "Weather?"}],
+        response_format=Weather, max_tokens=64)
+    completion = raw.parse()
+    parsed = completion.choices[0].message.parsed
+    assert isinstance(parsed, Weather), completion.choices[0].message.content
+    resolved = raw.headers["x-sluice-resolved"]
+    assert RESOLVED.match(resolved.split("; schema=")[0]), resolved
+    assert re.search(r"; schema=[0-9a-f]{12}$", resolved), resolved
+
+
+def test_the_sdk_streams_a_tool_call(sluice_up: SluiceUp) -> None:
+    tools: list[Any] = [{"type": "function", "function": {
+        "name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+            "required": ["city"], "additionalProperties": False}}}]
+    raw = client(sluice_up).chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Rome?"}], tools=tools,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=64, stream=True)
+    assert re.search(r"; tools=[0-9a-f]{12}$", raw.headers["x-sluice-resolved"])
+    chunks = list(raw.parse())
+    calls = [c for chunk in chunks if chunk.choices
+             for c in chunk.choices[0].delta.tool_calls or []]
+    assert calls and calls[0].function is not None
+    assert calls[0].function.name == "get_weather"
+    arguments = "".join(c.function.arguments or "" for c in calls if c.function)
+    assert json.loads(arguments)["city"] in ("Paris", "Rome")
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"

@@ -54,7 +54,7 @@ def prepared(**body: Any) -> Any:
         fingerprint=lambda: "fp_1")
     return SimpleNamespace(upstream=SimpleNamespace(name="m"), pin=None, priority=2,
                            max_tokens=16, body=body, stream=True, worst_case=40, stamp=stamp,
-                           degraded=None)
+                           degraded=None, request_versions={"schema": "ab" * 32})
 
 
 def test_a_request_is_a_server_span_named_by_the_genai_conventions() -> None:
@@ -93,6 +93,7 @@ def test_a_request_is_a_server_span_named_by_the_genai_conventions() -> None:
     assert a["gen_ai.request.stop_sequences"] == ("\n",)
     assert a["gen_ai.response.finish_reasons"] == ("stop",)
     assert a["gen_ai.response.time_to_first_chunk"] == 0.012
+    assert a["sluice.schema_sha256"] == "ab" * 32 and "sluice.tools_sha256" not in a
     assert [e.name for e in root.events] == ["gen_ai.first_token"]
 
 
