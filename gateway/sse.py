@@ -32,8 +32,11 @@ from .errors import BadGateway
 __all__ = ["ChunkRewriter"]
 # A usage object: numbers and at most one level of nested objects (…_tokens_details).
 _USAGE_OBJECT = re.compile(rb"\{(?:[^{}]|\{[^{}]*\})*\}")
-# a non-empty "content" (chat delta) or "text" (completion): a chunk that carries tokens
-_TEXT = re.compile(rb'"(?:content|text)"\s*:\s*"(?!")')
+# A chunk that carries output tokens: a non-empty "content" or "refusal" (chat delta) or
+# "text" (completion), or a non-empty "tool_calls" list (a call's first delta, with its
+# name, or a piece of its arguments). Role, finish and usage chunks carry none. (Within a
+# JSON string a quote is escaped: these never match inside one.)
+_OUTPUT = re.compile(rb'"(?:content|refusal|text)"\s*:\s*"(?!")|"tool_calls"\s*:\s*\[\s*\{')
 _FINISH = re.compile(rb'"finish_reason"\s*:\s*"([A-Za-z_]{1,32})"')
 # what _learn finds: model pattern and replacement, fingerprint ditto, usage key, no choices
 _Fast = tuple[bytes, bytes, bytes, bytes, bytes, bytes]
@@ -46,6 +49,18 @@ def _comments(event: bytes) -> bytes | None:
         return event + b"\n\n"
     kept = [line for line in event.split(b"\n") if line[:1] == b":"]
     return b"\n".join(kept) + b"\n\n" if kept else None
+
+
+def _carries_output(choice: dict[str, Any]) -> bool:
+    """Whether a chunk's choice carries output tokens (the json path's ``_OUTPUT``)."""
+    delta = choice.get("delta")
+    if not isinstance(delta, dict):
+        text = choice.get("text")
+        return isinstance(text, str) and bool(text)
+    calls = delta.get("tool_calls")
+    if isinstance(calls, list) and calls and isinstance(calls[0], dict):
+        return True
+    return any(isinstance(delta.get(k), str) and delta[k] for k in ("content", "refusal"))
 
 
 def _encodings(value: str) -> list[bytes]:
@@ -87,7 +102,8 @@ class ChunkRewriter:
         self.client_usage = client_usage
         self.client_continuous = client_continuous
         self.chunks = 0  # events with choices relayed
-        self.tokens = 0  # … of them, those carrying generated text (not a role or a finish)
+        self.tokens = 0  # … of them, those carrying output: text or tool calls (not a role
+        # or a finish): what times the first token, TPOT and ITL
         self.done = False  # [DONE] seen
         self.error = False  # an error event seen
         self.usage_seen = False
@@ -158,9 +174,7 @@ class ChunkRewriter:
             if isinstance(first, dict):
                 if isinstance(first.get("finish_reason"), str):
                     self.finish_reason = first["finish_reason"]
-                delta = first.get("delta")
-                text = delta.get("content") if isinstance(delta, dict) else first.get("text")
-                if isinstance(text, str) and text:
+                if _carries_output(first):
                     self.tokens += 1
         obj["model"] = self.model
         obj["system_fingerprint"] = self.fingerprint
@@ -217,7 +231,7 @@ class ChunkRewriter:
             self.usage_seen = True
         if not usage_chunk:
             self.chunks += 1
-            if _TEXT.search(data) is not None:
+            if _OUTPUT.search(data) is not None:
                 self.tokens += 1
             at = data.find(b'"finish_reason"')
             if at >= 0:

@@ -25,7 +25,13 @@ Decisions (docs/backend.md#structured-outputs-and-tool-calls):
   ``"required"`` or a named function without tools is a 400.
 - ``response_format`` with ``tools``: under ``auto`` the answer is either calls or JSON
   of the format; under ``required``/a named function the turn is calls only (the format is
-  that of the final answer, a later turn; its instruction is still in the prompt).
+  that of the final answer, a later turn; its instruction is still in the prompt). In every
+  mode the format's schema is checked (a schema the engine cannot enforce is a 400 naming
+  ``response_format``) and stamped (``schema=``): it is part of the request.
+- ``schema: true`` is any JSON value (compiled as ``{}``); ``false`` matches none: a 400.
+- A ``role: "tool"`` message answers a call of the assistant message before it (tool
+  results in between aside): its ``tool_call_id`` is one of that message's call ids, else
+  a 400 naming ``messages``, as OpenAI answers.
 - ``parallel_tool_calls: false``: exactly one call per turn; true (the default): one or more.
 - Legacy ``functions``/``function_call`` are refused (400) rather than ignored.
 """
@@ -83,8 +89,10 @@ class Structured:
     """What a chat's structured-output and tool fields ask (``structured_of``); the default
     value asks nothing. ``grammar``: the text the engine constrains the output to (None:
     free text), of ``grammar_kind``; ``param`` is the field its refusal names. ``checks``:
-    where the grammar combines two fields, each part alone as (kind, grammar, param), so that
-    a refusal names the right one."""
+    where the grammar is built of the fields (tools, and a format beside them), each part
+    alone as (kind, grammar, param), checked before it: the format's schema and each
+    called function's parameters as JSON Schemas, so that a refusal names the right field
+    and the client's own schema, never the combined grammar."""
 
     grammar_kind: GrammarKind | None = None
     grammar: str | None = None
@@ -103,6 +111,11 @@ class Structured:
     def calls_tools(self) -> bool:
         """The output may hold tool calls (read it as such)."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def calls_only(self) -> bool:
+        """The output can only be tool calls (``required`` or a named function)."""
+        return bool(self.tools) and self.tool_choice not in ("none", "auto")
 
     def prompt_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The messages as rendered: the format's instruction appended to the system message
@@ -178,15 +191,20 @@ def structured_of(req: ChatRequest | TokenizeRequest) -> Structured:
             return base
         return _with(base, "json_schema", grammars.schema_text(schema), "response_format")
     wanted = tools if choice in ("auto", "required") else [t for t in tools if t[0] == choice]
+    # the format's schema is checked even where the turn is calls only (required, a named
+    # function): it was asked for and is stamped, so what cannot be enforced is refused
+    parts: list[tuple[GrammarKind, str, str]] = [] if schema is None else [
+        ("json_schema", grammars.schema_text(schema), "response_format")]
+    parts += [("json_schema", grammars.parameters_text(params), "tools")
+              for _, params in wanted]
+    checks = tuple(dict.fromkeys(parts))  # each once (functions without parameters)
     if choice != "auto":
-        return _with(base, "lark", grammars.calls_only(wanted, parallel), "tools")
-    if schema is None:
-        return _with(base, "lark", grammars.text_or_calls(wanted, parallel), "tools")
-    checks: tuple[tuple[GrammarKind, str, str], ...] = (  # each field's part alone
-        ("json_schema", grammars.schema_text(schema), "response_format"),
-        ("lark", grammars.calls_only(wanted, parallel), "tools"))
-    return _with(base, "lark", grammars.answer_or_calls(schema, wanted, parallel), "tools",
-                 checks)
+        grammar = grammars.calls_only(wanted, parallel)
+    elif schema is None:
+        grammar = grammars.text_or_calls(wanted, parallel)
+    else:
+        grammar = grammars.answer_or_calls(schema, wanted, parallel)
+    return _with(base, "lark", grammar, "tools", checks)
 
 
 def _with(base: Structured, kind: GrammarKind, grammar: str, param: str,
@@ -249,7 +267,11 @@ def _response_format(value: dict[str, Any] | None) -> tuple[str, Any, str | None
         raise BadRequest("response_format.json_schema.schema is required",
                          "response_format", code="missing_required_parameter")
     schema = spec["schema"]
-    if schema is False or not isinstance(schema, (dict, bool)):
+    if schema is False:
+        raise BadRequest("response_format.json_schema.schema is false, which no JSON value "
+                         "matches: no answer could follow it", "response_format",
+                         code="invalid_value")
+    if not isinstance(schema, (dict, bool)):
         raise BadRequest("response_format.json_schema.schema must be a JSON Schema object "
                          "(or true)", "response_format", code="invalid_value")
     text = json.dumps(schema, ensure_ascii=False)
@@ -317,12 +339,26 @@ def _tool_choice(value: object, names: list[str]) -> str:
 
 
 def _check_tool_messages(messages: list[dict[str, Any]]) -> None:
-    """Tool results need a ``tool_call_id``; assistant ``tool_calls`` are OpenAI's shape."""
+    """Assistant ``tool_calls`` are OpenAI's shape; a tool result answers one of the calls
+    of the assistant message before it (other results in between), by its id."""
+    answerable: set[str] | None = None  # the call ids that a tool message may answer here
     for i, m in enumerate(messages):
         role = m.get("role")
-        if role == "tool" and not isinstance(m.get("tool_call_id"), str):
-            raise BadRequest(f"messages[{i}] (role 'tool') needs a string 'tool_call_id'",
-                             "messages", code="invalid_value")
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise BadRequest(f"messages[{i}] (role 'tool') needs a string 'tool_call_id'",
+                                 "messages", code="invalid_value")
+            if answerable is None:
+                raise BadRequest(f"messages[{i}] (role 'tool') must answer a call: it does "
+                                 "not follow an assistant message with 'tool_calls'",
+                                 "messages", code="invalid_value")
+            if call_id not in answerable:
+                raise BadRequest(f"messages[{i}].tool_call_id {call_id!r} is not the id of a "
+                                 "call in the assistant message before it", "messages",
+                                 code="invalid_value")
+        else:
+            answerable = None
         calls = m.get("tool_calls")
         if calls is None:
             continue
@@ -336,6 +372,7 @@ def _check_tool_messages(messages: list[dict[str, Any]]) -> None:
                 raise BadRequest(f"messages[{i}].tool_calls[{j}] must be {{'id', 'type': "
                                  "'function', 'function': {'name', 'arguments'}}",
                                  "messages", code="invalid_value")
+        answerable = {c["id"] for c in calls if isinstance(c.get("id"), str)}
 
 
 def _parsed_arguments(message: dict[str, Any]) -> dict[str, Any]:

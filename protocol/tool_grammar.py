@@ -31,15 +31,28 @@ _CALL_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_sepa
                  "lenient": True}
 # ... and for a response_format answer beside tools: as the engine compiles a schema alone
 _ANSWER_OPTIONS = {"whitespace_flexible": False}
-# Keys whose values are data, not schemas: a "$ref" inside them is not a reference.
+# Keywords whose values are data, not schemas: a "$ref" inside them is not a reference.
 _DATA_KEYS = frozenset({"const", "enum", "default", "examples"})
+# Keywords whose values map names to schemas: a name there ("default", "$ref") is no keyword.
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                          "dependentSchemas", "dependencies"})
 _OPEN = re.escape(CALL_OPEN)
 
 
-def schema_text(schema: Any) -> str:
+def schema_text(schema: dict[str, Any] | bool) -> str:
     """A response_format schema as the engine's ``json_schema`` grammar (order kept: the
-    properties are generated in the schema's order)."""
-    return json.dumps(schema)
+    properties are generated in the schema's order). ``true`` is ``{}``: llguidance applies
+    its options to an object only. (``false`` never comes here: ``structured_of`` refuses
+    it, as no answer can match it.)"""
+    return json.dumps({} if schema is True else schema)
+
+
+def parameters_text(params: dict[str, Any]) -> str:
+    """A function's parameters' schema alone as a ``json_schema`` grammar: what the engine
+    checks first, so that a refusal names a pointer of the client's own schema and quotes no
+    grammar. Its own ``x-guidance`` is dropped: embedded (``_calls``), it is not at the root,
+    where llguidance reads options, so it means nothing there either."""
+    return json.dumps({k: v for k, v in params.items() if k != "x-guidance"})
 
 
 def calls_only(tools: Tools, parallel: bool) -> str:
@@ -90,7 +103,11 @@ def _answer_schema(schema: dict[str, Any] | bool) -> dict[str, Any]:
 
 def _rebased(schema: Any, root: str) -> Any:
     """``schema`` with its local references (``#…``) made relative to ``root``: it is
-    embedded there, so ``#/$defs/X`` becomes ``root/$defs/X``."""
+    embedded there, so ``#/$defs/X`` becomes ``root/$defs/X``.
+
+    Keys are keywords only in a schema: the data keywords' values (``const``, ``default``,
+    …) are kept as they are, and in a name→schema map (``properties``, ``$defs``, …) every
+    value is a schema whatever its name, so a property named ``default`` is rebased."""
     if isinstance(schema, list):
         return [_rebased(v, root) for v in schema]
     if not isinstance(schema, dict):
@@ -101,6 +118,8 @@ def _rebased(schema: Any, root: str) -> Any:
             out[key] = root + value[1:]
         elif key in _DATA_KEYS:
             out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _rebased(sub, root) for name, sub in value.items()}
         else:
             out[key] = _rebased(value, root)
     return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Self
 
@@ -50,6 +51,7 @@ class AsyncEngine:
         # exits then.
         self.on_dead: Callable[[], None] | None = None
         self._grammars: GrammarCompiler | None = None  # checks grammars (built when needed)
+        self._grammars_lock = threading.Lock()
 
     @classmethod
     def from_config(cls, config: EngineConfig, *,
@@ -82,13 +84,16 @@ class AsyncEngine:
             self._grammar_checker().check(params.grammar)
 
     def _grammar_checker(self) -> GrammarCompiler:
-        if self._grammars is None:
-            info = self.transport.info
-            if info is None:
-                raise EngineDeadError("engine is not started")
-            self._grammars = GrammarCompiler.for_tokenizer(info.tokenizer,
-                                                           info.limits.vocab_size)
-        return self._grammars
+        """The server's own compiler, made at the first constrained request (the server
+        checks in worker threads: made once under a lock)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                info = self.transport.info
+                if info is None:
+                    raise EngineDeadError("engine is not started")
+                self._grammars = GrammarCompiler.for_tokenizer(info.tokenizer,
+                                                               info.limits.vocab_size)
+            return self._grammars
 
     def state(self) -> EngineState:
         """The snapshot taken after the latest step."""

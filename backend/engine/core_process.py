@@ -117,8 +117,11 @@ def _step_loop(core: LLMEngine, sock: socket.socket, reader: FrameReader) -> Non
                 stopping = True
         if stopping:
             deltas.extend(core.abort_all())
+            core.close()
         elif core.has_work():
             deltas.extend(core.step())
+            # requests refused after they were added (a grammar that failed to compile)
+            errors.extend(error_to_wire(rid, exc) for rid, exc in core.take_refusals())
         body = dumps(([to_wire(d) for d in deltas], errors, state_to_wire(core.state())))
         sock.sendall(frame(MARSHAL, body))
         if stopping:

@@ -41,6 +41,7 @@ from .sampler import (
 from .sampling import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
 from .sequence import FinishReason, Sequence, SequenceStatus
+from .snapshot import engine_state
 from .spec import Draft, Proposer, SpecStats, verify
 from .stop import StopStringMatcher
 
@@ -117,6 +118,7 @@ class LLMEngine:
         self.seed = seed
         self.clock = scheduler.clock  # one clock for the scheduler's stamps and ours
         self._requests: dict[str, _RequestState] = {}
+        self.refusals: list[tuple[str, InvalidRequestError]] = []  # take_refusals()
         self._num_unseeded = 0
         self.steps = 0
         self.generated_tokens = 0
@@ -156,16 +158,35 @@ class LLMEngine:
             arrival_time=self.clock() if arrival_time is None else arrival_time,
             cache_salt=self.make_salt(cache_salt),
         )
+        if self.constraints.defer(seq):  # its grammar compiles: it waits there
+            self._requests[request_id] = _RequestState({})
+            return seq
         self._requests[request_id] = _RequestState({0: self._choice_state(seq)})
         self.scheduler.add(seq)
         return seq
 
-    def _choice_state(self, seq: Sequence,
-                      parent: _ChoiceState | None = None) -> _ChoiceState:
-        """A new choice's output state (``parent``: the choice it forks from)."""
+    def _admit_compiled(self, wait: bool) -> None:
+        """Schedule the requests whose grammar has compiled; refuse those it could not."""
+        for seq, got in self.constraints.compiled(wait):
+            rid = seq.request_id
+            if isinstance(got, InvalidRequestError):
+                del self._requests[rid]
+                self.refusals.append((rid, got))
+            else:
+                self._requests[rid].choices[0] = self._choice_state(seq, got.template)
+                self.scheduler.add(seq)
+
+    def take_refusals(self) -> list[tuple[str, InvalidRequestError]]:
+        """Requests refused after ``add_request`` returned (their grammar failed)."""
+        out, self.refusals = self.refusals, []
+        return out
+
+    def _choice_state(self, seq: Sequence, source: LLMatcher | None = None) -> _ChoiceState:
+        """A new choice's output state (``source``: the matcher its own copies, that of
+        the choice it forks from or a compiled template)."""
         params = seq.params
         matcher = None if params.grammar is None else self.constraints.matcher(
-            params.grammar, None if parent is None else parent.matcher)
+            params.grammar, source)
         generator = None
         if not params.greedy:
             if params.seed is not None:
@@ -194,7 +215,11 @@ class LLMEngine:
         """Abort from any state (every choice); frees the blocks now. Unknown/finished ids:
         no-op."""
         state = self._requests.get(request_id)
-        seq = self.scheduler.abort(request_id)
+        seq = self.constraints.drop(request_id)  # still compiling its grammar
+        if seq is not None:
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
+        else:
+            seq = self.scheduler.abort(request_id)
         if seq is None or state is None:
             return None
         self.aborted += 1
@@ -210,14 +235,21 @@ class LLMEngine:
     def abort_all(self) -> list[OutputDelta]:
         """Abort every running and waiting request (shutdown); their final deltas."""
         sch = self.scheduler
-        deltas = [self.abort(s.request_id) for s in sch.running + sch.waiting]
+        pending = [s for s, _ in self.constraints.pending.values()]
+        deltas = [self.abort(s.request_id) for s in sch.running + sch.waiting + pending]
         return [d for d in deltas if d is not None]
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.constraints.pending)
+
+    def close(self) -> None:
+        """Stop the grammar worker threads (after the last step)."""
+        self.constraints.close()
 
     # ---- one iteration ----------------------------------------------------------------
     def step(self) -> list[OutputDelta]:
+        if self.constraints.pending:
+            self._admit_compiled(wait=not self.scheduler.has_work())
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
@@ -355,7 +387,7 @@ class LLMEngine:
             out.append((seq, row))
             if seq.awaits_fork:
                 state = self._requests[seq.request_id]
-                parent = state.choices[seq.index]
+                parent = state.choices[seq.index].matcher
                 for child in self.scheduler.fork(seq):
                     state.choices[child.index] = self._choice_state(child, parent)
                     out.append((child, row))
@@ -451,48 +483,7 @@ class LLMEngine:
 
     # ---- introspection ----------------------------------------------------------------
     def state(self) -> EngineState:
-        bm = self.block_manager
-        sch = self.scheduler
-        return EngineState(
-            kv_blocks_total=bm.num_blocks,
-            kv_blocks_free=bm.num_free_blocks,
-            kv_blocks_cached=bm.num_cached_free_blocks,
-            block_size=bm.block_size,
-            running=len(sch.running),
-            waiting=len(sch.waiting),
-            preemptions=sch.num_preemptions,
-            prefix_cache_queries=bm.stats.queries,
-            prefix_cache_hits=bm.stats.hits,
-            prefix_cache_query_tokens=bm.stats.query_tokens,
-            prefill_tokens_saved=bm.stats.hit_tokens,
-            prefix_cache_evictions=bm.stats.evictions,
-            max_num_seqs=sch.max_num_seqs,
-            max_num_batched_tokens=sch.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            steps=self.steps,
-            generated_tokens=self.generated_tokens,
-            aborted=self.aborted,
-            max_tokens_after_abort=self.max_tokens_after_abort,
-            weight_bytes=self._weight_bytes(),
-            spec_proposed_tokens=self.spec_stats.proposed,
-            spec_accepted_tokens=self.spec_stats.accepted,
-            spec_verify_steps=self.spec_stats.verified,
-            spec_emitted_tokens=self.spec_stats.emitted,
-            spec_draft_seconds=self.spec_stats.draft_seconds,
-            grammar_sequences=self.constraints.live,
-            grammar_compiles=self.constraints.compiles,
-            grammar_cache_hits=self.constraints.cache_hits,
-        )
-
-    def _weight_bytes(self) -> int:
-        """The weights the engine holds: the model's, and the draft model's (0 for a
-        runner without a model, as in tests)."""
-        total = 0
-        for runner in (self.runner, getattr(self.proposer, "runner", None)):
-            model = getattr(runner, "model", None)
-            if model is not None:
-                total += int(model.weight_bytes())
-        return total
+        return engine_state(self)
 
     def status_of(self, request_id: str) -> SequenceStatus | None:
         seq = self.scheduler.get(request_id)

@@ -1,20 +1,24 @@
 """Constrained decoding: a request's ``GrammarSpec`` as token masks, with llguidance.
 
-Why llguidance (docs/engine.md#structured-outputs has the figures): over 51 JSON Schema
-features it enforced each one or refused the schema naming the keyword, where xgrammar
-and outlines-core silently accepted violating output for a dozen; its masks cost tens of
-µs per sequence at a 32k vocabulary and are computed with the GIL released; the wheel has
-no dependencies.
+Why llguidance (docs/engine.md#choosing-the-grammar-library has the figures): of 50 JSON
+Schema probes it enforced each one or refused the schema naming the keyword, where
+xgrammar and outlines-core silently accepted violating output for 11 and 13; its masks
+cost tens of µs per sequence at a 32k vocabulary and are computed with the GIL released;
+the wheel has no dependencies.
 
 Lifecycle of a constrained sequence (``LLMEngine`` drives it):
 
-    check(spec)          once per distinct grammar (LRU cache): the grammar text, or a
-                         400 naming every keyword llguidance would not enforce
-    matcher(spec)        at add_request: a deep copy of the compiled template (µs)
+    check(spec)          the server, before anything is queued: checked and compiled once
+                         per distinct grammar (LRU cache), or a 400 naming every keyword
+                         llguidance would not enforce
+    compile(spec)        the engine, at add_request when the grammar is new: in a thread
+                         of its own while the request waits outside the batch (a large
+                         schema never stalls the running sequences' steps)
+    matcher              then: a deep copy of the compiled template (µs)
     fork                 n > 1: each choice gets a deep copy of its parent's matcher
-    start(rows) → apply  every step (``grammar_masks.py``): the masks of the constrained rows are computed in a
-                         worker thread while the model runs, then applied to those rows
-                         of the logits as one ``masked_fill_``
+    start(rows) → apply  every step (``grammar_masks.py``): the masks of the constrained
+                         rows are computed in a worker thread while the model runs, then
+                         applied to those rows of the logits as one ``masked_fill_``
     consume(token)       the sampled token (always one the mask allowed)
     drop                 finish or abort: the matcher goes with the choice's state
 
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,6 +60,7 @@ JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}
 # names only the first), and any warning refuses the grammar: never a silent loosening.
 JSON_OVERRIDES: JsonCompileOptions = {"lenient": True}
 CACHE_SIZE = 256  # distinct compiled grammars kept
+MAX_MESSAGE = 600  # characters of a refusal's message
 TIMINGS_KEPT = 4096  # recent compile and mask times kept for the bench's percentiles
 
 
@@ -64,9 +70,10 @@ class GrammarStats:
 
     compiles: int = 0
     cache_hits: int = 0
-    compile_seconds: collections.deque[float] = field(  # check + first mask, per grammar
+    compile_seconds: collections.deque[float] = field(  # check + build + first mask
         default_factory=lambda: collections.deque(maxlen=TIMINGS_KEPT))
-    mask_seconds: collections.deque[float] = field(  # per step, compute + apply
+    # per step: from the job's start (before the forward) to its masks applied
+    mask_seconds: collections.deque[float] = field(
         default_factory=lambda: collections.deque(maxlen=TIMINGS_KEPT))
 
     @property
@@ -75,11 +82,13 @@ class GrammarStats:
         return self.cache_hits / total if total else 0.0
 
 
-@dataclass(slots=True)
-class _Compiled:
-    text: str  # the llguidance grammar
-    validate_seconds: float  # building and checking the text
-    template: llguidance.LLMatcher | None = None  # compiled, at its start state
+@dataclass(slots=True, frozen=True)
+class Compiled:
+    """A grammar checked and compiled: its text, and a matcher at its start state whose
+    lexer and parser tables are built (each sequence gets a ``deep_copy``)."""
+
+    text: str
+    template: llguidance.LLMatcher
 
 
 def _key(spec: GrammarSpec) -> bytes:
@@ -87,7 +96,9 @@ def _key(spec: GrammarSpec) -> bytes:
 
 
 class GrammarCompiler:
-    """Grammars for one tokenizer and vocabulary: checked and compiled once each."""
+    """Grammars for one tokenizer and vocabulary: checked and compiled once each. Safe to
+    call from several threads (the server checks in worker threads, the engine compiles
+    in its own)."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_id: int, *,
                  cache_size: int = CACHE_SIZE,
@@ -96,9 +107,10 @@ class GrammarCompiler:
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                                 eos_token=eos_token_id)
         self.stats = GrammarStats()
-        self._cache: collections.OrderedDict[bytes, _Compiled] = collections.OrderedDict()
+        self._cache: collections.OrderedDict[bytes, Compiled] = collections.OrderedDict()
         self._cache_size = cache_size
         self._clock = clock
+        self._lock = threading.Lock()  # the cache and the stats
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Tokenizer, vocab_size: int,
@@ -114,38 +126,49 @@ class GrammarCompiler:
 
     def check(self, spec: GrammarSpec) -> str:
         """The grammar text for ``spec``; ``InvalidRequestError`` naming ``spec.param``
-        (and every keyword llguidance would not enforce) when it cannot be served."""
-        return self._entry(spec).text
+        (and every keyword llguidance would not enforce) when it cannot be served. The
+        grammar is compiled too: whatever fails there fails here."""
+        return self.compile(spec).text
+
+    def ready(self, spec: GrammarSpec) -> bool:
+        """Compiled already (a ``matcher`` costs a copy)."""
+        with self._lock:
+            return _key(spec) in self._cache
 
     def matcher(self, spec: GrammarSpec) -> llguidance.LLMatcher:
         """A fresh matcher for one sequence (a copy of the compiled template)."""
-        entry = self._entry(spec)
-        if entry.template is None:
-            began = self._clock()
-            template = llguidance.LLMatcher(self.tokenizer, entry.text)
-            # the first mask builds the lexer and parser tables: pay it once per grammar
-            template.compute_bitmask()
-            if template.is_error():
-                raise InvalidRequestError(f"invalid grammar: {template.get_error()}",
-                                          spec.param)
-            entry.template = template
-            self.stats.compile_seconds.append(entry.validate_seconds + self._clock() - began)
-        return entry.template.deep_copy()
+        return self.compile(spec).template.deep_copy()
 
-    def _entry(self, spec: GrammarSpec) -> _Compiled:
+    def compile(self, spec: GrammarSpec) -> Compiled:
+        """``spec`` compiled: from the cache (a hit), else checked and built (a compile;
+        milliseconds, up to hundreds for a large schema)."""
         key = _key(spec)
-        entry = self._cache.get(key)
-        if entry is not None:
-            self._cache.move_to_end(key)
-            self.stats.cache_hits += 1
-            return entry
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is not None:
+                self._cache.move_to_end(key)
+                self.stats.cache_hits += 1
+                return entry
         began = self._clock()
         text = self._validate(spec)
-        entry = _Compiled(text, self._clock() - began)
-        self.stats.compiles += 1
-        self._cache[key] = entry
-        while len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
+        try:
+            template = llguidance.LLMatcher(self.tokenizer, text)
+            # the first mask builds the lexer and parser tables: paid once per grammar
+            template.compute_bitmask()
+        except Exception as exc:  # noqa: BLE001 - the library's own errors, any class
+            raise InvalidRequestError(_brief(f"invalid {spec.param}: {exc}"),
+                                      spec.param) from None
+        if template.is_error():  # e.g. {"$ref": "#"}: no finite output at all
+            first = template.get_error().strip().splitlines()[0]
+            raise InvalidRequestError(_brief(
+                f"invalid {spec.param}: its grammar admits no output ({first})"), spec.param)
+        entry = Compiled(text, template)
+        with self._lock:
+            self.stats.compiles += 1
+            self.stats.compile_seconds.append(self._clock() - began)
+            self._cache[key] = entry
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
         return entry
 
     def _validate(self, spec: GrammarSpec) -> str:
@@ -156,14 +179,21 @@ class GrammarCompiler:
             else:
                 text = llguidance.LLMatcher.grammar_from_lark(spec.source)
         except ValueError as exc:  # not a JSON object
-            raise InvalidRequestError(f"invalid {spec.param}: {exc}", spec.param) from None
+            raise InvalidRequestError(_brief(f"invalid {spec.param}: {exc}"),
+                                      spec.param) from None
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
             text, self.tokenizer)
         if failed:
-            raise InvalidRequestError(f"invalid {spec.param}: {'; '.join(messages)}",
+            raise InvalidRequestError(_brief(f"invalid {spec.param}: {'; '.join(messages)}"),
                                       spec.param)
         if messages:
             raise InvalidRequestError(
                 f"{spec.param} uses what constrained decoding cannot enforce (refused rather "
                 f"than loosened): {'; '.join(messages)}", spec.param)
         return text
+
+
+def _brief(message: str) -> str:
+    """A library message cut to ``MAX_MESSAGE`` characters: a parser's error may quote
+    the whole grammar, or a dump of its state."""
+    return message if len(message) <= MAX_MESSAGE else message[:MAX_MESSAGE - 1] + "…"

@@ -127,12 +127,14 @@ class ThreadTransport:
                     self._apply(op, deltas, errors)
                 if stopping:
                     deltas.extend(core.abort_all())
+                    core.close()
                     self._snapshot = core.state()
                     self._post(deltas, errors)
                     self._post_stopped(None)
                     return
                 if core.has_work():
                     deltas.extend(core.step())
+                    errors.extend(core.take_refusals())  # a grammar that failed to compile
                 self._snapshot = core.state()
                 self._post(deltas, errors)
         except BaseException as exc:  # the loop is dead: every waiting stream fails

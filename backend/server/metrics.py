@@ -223,6 +223,12 @@ class ServerMetrics:
                   s.spec_tokens_per_step)
         yield one("spec_decode_draft_seconds_total", "counter",
                   "Time spent drafting, in the engine's steps.", s.spec_draft_seconds)
+        yield one("grammar_sequences", "gauge", "Choices decoding under a grammar "
+                  "(response_format, tools) now.", s.grammar_sequences)
+        yield one("grammar_compiles_total", "counter",
+                  "Distinct grammars compiled by the engine.", s.grammar_compiles)
+        yield one("grammar_cache_hits_total", "counter", "Constrained requests whose "
+                  "grammar was compiled already.", s.grammar_cache_hits)
 
 
 def _tokenize(pool: PoolSnapshot, trims: int) -> Iterator[Family]:

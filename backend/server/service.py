@@ -269,10 +269,10 @@ class ModelService:
         if n >= self.max_model_len:
             raise self.too_long(kind, n)
         params = sampling_params(req, n, self.max_model_len, structured)
-        for check_kind, source, param in structured.checks:  # each field's grammar alone
-            self.engine.validate(prompt_ids, replace(
-                params, grammar=GrammarSpec(check_kind, source, param)))
-        self.engine.validate(prompt_ids, params)
+        if params.grammar is None:
+            self.engine.validate(prompt_ids, params)
+        else:  # a new grammar is compiled here (ms, up to 100s for a large schema): off the loop
+            await asyncio.to_thread(self._validate_structured, prompt_ids, params, structured)
         return Prepared(
             kind=kind, request_id=request_id or "", prompt_ids=prompt_ids, params=params,
             priority=req.priority or 0, cache_salt=req.cache_salt or None,
@@ -281,6 +281,15 @@ class ModelService:
             model=self.model_name, fingerprint=self.fingerprint,
             temperature=None if req.temperature is None else float(req.temperature),
             top_p=None if req.top_p is None else float(req.top_p))
+
+    def _validate_structured(self, prompt_ids: list[int], params: SamplingParams,
+                             structured: Structured) -> None:
+        """``engine.validate`` for a constrained request: each field's grammar alone first
+        (a refusal names the field at fault), then the grammar they make together."""
+        for check_kind, source, param in structured.checks:
+            self.engine.validate(prompt_ids, replace(
+                params, grammar=GrammarSpec(check_kind, source, param)))
+        self.engine.validate(prompt_ids, params)
 
     # ---- generation ---------------------------------------------------------------------
     def begin(self, scope: Mapping[str, Any], kind: str) -> RequestRecord:

@@ -62,11 +62,13 @@ class ChunkEncoder:
                        for i in range(p.params.n)]
         self._tail = (tail + "}\n\n").encode()
 
-    def first(self) -> bytes | None:
-        """The opening chunk: chat announces the assistant role; completions send nothing."""
+    def first(self, content: str | None = "") -> bytes | None:
+        """The opening chunk: chat announces the assistant role (``content``: "", or None
+        where the answer can only be tool calls, as OpenAI sends); completions send
+        nothing."""
         if self.p.kind != "chat":
             return None
-        return b"".join(self._chunk({"role": "assistant", "content": ""}, None, index=i)
+        return b"".join(self._chunk({"role": "assistant", "content": content}, None, index=i)
                         for i in range(self.p.params.n))
 
     def text(self, text: str, delta: OutputDelta | None = None) -> bytes:
@@ -166,8 +168,9 @@ def whole_response(p: Prepared, choices: list[Choice], final: OutputDelta,
             out.append({"index": i, "message": message, "logprobs": lps,
                         "finish_reason": reason})
         elif p.kind == "chat":
-            out.append({"index": i, "message": {"role": "assistant", "content": "".join(c.parts)},
-                        "logprobs": lps, "finish_reason": c.finish_reason})
+            message = {"role": "assistant", "content": "".join(c.parts), "refusal": None}
+            out.append({"index": i, "message": message, "logprobs": lps,
+                        "finish_reason": c.finish_reason})
         else:
             out.append({"index": i, "text": "".join(c.parts), "logprobs": lps,
                         "finish_reason": c.finish_reason})

@@ -6,7 +6,11 @@ call answers ``message.tool_calls`` (content: the text before the calls, or null
 its output ended after a whole call, ``finish_reason: "tool_calls"`` in place of "stop"; a
 choice without calls is plain content, as any chat. Streamed, a call's first delta carries
 its id, type and name (arguments ""), the next ones pieces of its arguments, as OpenAI sends
-them; then a last chunk with an empty delta and the finish_reason.
+them; then a last chunk with an empty delta and the finish_reason. Where the answer can only
+be calls (``tool_choice`` required or a named function) the opening delta is
+``{"role": "assistant", "content": null}``, as OpenAI's (its content stays null in a
+client's accumulated message); under ``auto`` the answer may be text: ``"content": ""``.
+A whole message carries ``"refusal": null``, as OpenAI's always do.
 
 Requests without tools never come here: their per-token path stays ``ChunkEncoder.text``.
 """
@@ -38,8 +42,8 @@ def tool_call_message(text: str, reason: str | None,
     content = stream.feed(text).content + stream.close().content
     calls = stream.calls
     if not calls:
-        return {"role": "assistant", "content": text}, reason
-    return ({"role": "assistant", "content": content or None,
+        return {"role": "assistant", "content": text, "refusal": None}, reason
+    return ({"role": "assistant", "content": content or None, "refusal": None,
              "tool_calls": [c.to_openai() for c in calls]}, finish_reason(stream, reason))
 
 
@@ -56,7 +60,7 @@ class ToolCallEncoder:
         self._pending: list[list[Any]] = [[] for _ in range(enc.p.params.n)]
 
     def first(self) -> bytes | None:
-        return self.enc.first()
+        return self.enc.first(None if self.enc.p.structured.calls_only else "")
 
     def text(self, text: str, delta: OutputDelta) -> bytes:
         return self._chunks(self._streams[delta.index].feed(text), delta)

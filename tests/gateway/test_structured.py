@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,9 +18,12 @@ import pytest
 from gateway.contract import ChatRequest, parse
 from gateway.errors import BadRequest
 from gateway.exchange import Exchange
+from gateway.metrics import GatewayMetrics
+from gateway.observe import observe, outcome_of
 from gateway.outcome import Outcome
 from gateway.resolve import Prepared, Resolver
 from gateway.service import Gateway
+from gateway.sse import ChunkRewriter
 from gateway.structured import NO_EXTRAS, chat_extras
 from gateway.tenants import Tenant
 from gateway.timing import RequestTimes
@@ -370,3 +374,101 @@ def test_tools_and_schema_count_as_the_backend_counts_them(
     r = post(real_gw, {**bodies[5], "model": "m"})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == counts[5]
+
+
+# ---- streamed tool calls are output: they time the first token ----------------------------
+
+def call_chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    return {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "fake-model",
+            "system_fingerprint": "fp_up", "usage": None,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+
+FIRST_CALL = {"index": 0, "id": "call_1", "type": "function",
+              "function": {"name": "get_weather", "arguments": ""}}
+# as the bundled backend streams a call: the role, the call's first delta, its arguments
+BUNDLED_CALLS = [call_chunk({"role": "assistant", "content": None}),
+                 call_chunk({"tool_calls": [FIRST_CALL]}),
+                 call_chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}),
+                 call_chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}),
+                 call_chunk({}, finish="tool_calls")]
+# as OpenAI streams one: the role with the first delta (content and refusal null)
+OPENAI_CALLS = [call_chunk({"role": "assistant", "content": None, "refusal": None,
+                            "tool_calls": [FIRST_CALL]}), *BUNDLED_CALLS[2:]]
+
+
+@pytest.mark.parametrize("events", [BUNDLED_CALLS, OPENAI_CALLS])
+@pytest.mark.parametrize("compact", [True, False])
+def test_tool_call_deltas_count_as_output_on_both_paths(events: list[dict[str, Any]],
+                                                        compact: bool) -> None:
+    sep = (",", ":") if compact else (", ", ": ")
+    raw = [b"data: " + json.dumps(e, separators=sep).encode() for e in events]
+    fast = ChunkRewriter("m", "fp_g", False, False)
+    for e in raw:
+        fast.rewrite(e)
+    assert fast._fast is not None  # the byte-level path was learned and taken
+    slow = ChunkRewriter("m", "fp_g", False, False)
+    for e in raw:
+        slow._rewrite_json(e[6:])  # the json path only
+    calls = sum(1 for e in events if e["choices"][0]["delta"].get("tool_calls"))
+    assert fast.tokens == slow.tokens == calls == 3
+    assert fast.finish_reason == slow.finish_reason == "tool_calls"
+    # the role-only opening chunk and an empty list carry nothing
+    empty = ChunkRewriter("m", "fp_g", False, False)
+    for delta in ({"role": "assistant", "content": None}, {"tool_calls": []},
+                  {"content": ""}):
+        empty.rewrite(b"data: " + json.dumps(call_chunk(delta), separators=sep).encode())
+    assert empty.tokens == 0
+
+
+class FirstTokens(Spans):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first_tokens: list[float] = []
+
+    def first_token(self, ttft_s: float) -> None:
+        self.first_tokens.append(ttft_s)
+
+
+def observed(metrics: GatewayMetrics | str, name: str) -> float:
+    """How many observations the histogram ``sluice_gateway_<name>`` holds, all labels."""
+    text = metrics if isinstance(metrics, str) else metrics.render()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(f"sluice_gateway_{name}_count"))
+
+
+async def test_a_streamed_tool_call_answer_times_its_first_token() -> None:
+    """TTFT, TPOT and ITL, and the span's first-token event, for an answer of calls only
+    (an OpenAI or vLLM upstream: no content delta at all)."""
+    usage = {"prompt_tokens": 4, "completion_tokens": 9, "total_tokens": 13}
+    stream = sse(*OPENAI_CALLS, chunk(None, usage=usage), "[DONE]")
+    gw = gateway(config(), {"http://m0": [Scripted(chunks=[stream])]})
+    trace, client = FirstTokens(), Client()
+    answer = reply(client, gw.metrics, trace)
+    ex = Exchange(gw, "chat", quota_tenant(), answer, RequestTimes(time.monotonic()))
+    await ex.run({**CHAT, "stream": True, "tools": TOOLS, "tool_choice": "required"}, None)
+    observe(gw.metrics, answer, ex.ended, ex.times, outcome_of(answer, ex.ended), "chat")
+    assert client.status == 200 and b'"tool_calls"' in client.body
+    assert ex.ended is not None and ex.ended.outcome is Outcome.SUCCESS
+    assert ex.times.first is not None and len(trace.first_tokens) == 1
+    assert observed(gw.metrics, "ttft_seconds") == 1
+    assert observed(gw.metrics, "tpot_seconds") == 1
+    assert observed(gw.metrics, "itl_seconds") == 2  # three chunks of output: two gaps
+
+
+@pytest.mark.parametrize("real_gw", ["upstream"], indirect=True)
+def test_the_bundled_backend_s_streamed_calls_time_the_first_token(
+        real_gw: ThreadedGateway) -> None:
+    before = observed(httpx.get(real_gw.url + "/metrics", timeout=5).text, "ttft_seconds")
+    weather = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+               "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}]
+    with httpx.stream("POST", real_gw.url + "/v1/chat/completions", headers=auth(), timeout=60,
+                      json={**CHAT, "model": "m", "max_tokens": 60, "stream": True,
+                            "tools": tools, "tool_choice": "required",
+                            "parallel_tool_calls": False}) as r:
+        assert r.status_code == 200
+        data = b"".join(r.iter_bytes())
+    assert b'"tool_calls"' in data and b'"finish_reason":"tool_calls"' in data, data
+    after = observed(httpx.get(real_gw.url + "/metrics", timeout=5).text, "ttft_seconds")
+    assert after == before + 1

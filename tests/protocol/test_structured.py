@@ -96,8 +96,21 @@ def test_bad_input_is_a_400_naming_the_field(fields: dict[str, Any], param: str)
     assert refused(**fields).param == param
 
 
+CALLED = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+    {"id": "c2", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+
+
+def result(call_id: str) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": call_id, "content": "done"}
+
+
 @pytest.mark.parametrize("messages", [
     [{"role": "tool", "content": "sunny"}],  # no tool_call_id
+    [*MSGS, result("c1")],  # no call before it
+    [*MSGS, {"role": "assistant", "content": "no calls"}, result("c1")],
+    [*MSGS, CALLED, result("c3")],  # not one of the calls' ids
+    [*MSGS, CALLED, result("c1"), {"role": "user", "content": "x"}, result("c2")],
     [{"role": "user", "content": "x", "tool_calls": []}],
     [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}],
     [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 3}}]}],
@@ -106,6 +119,12 @@ def test_malformed_tool_history_names_messages(messages: list[dict[str, Any]]) -
     with pytest.raises(BadRequest) as info:
         structured_of(parse("chat", {"messages": messages}))  # type: ignore[arg-type]
     assert info.value.param == "messages"
+
+
+def test_tool_results_answer_the_calls_before_them() -> None:
+    history = [*MSGS, CALLED, result("c2"), result("c1"), {"role": "user", "content": "x"},
+               {**CALLED, "tool_calls": CALLED["tool_calls"][:1]}, result("c1")]
+    assert structured_of(parse("chat", {"messages": history})) == NO_STRUCTURE  # type: ignore[arg-type]
 
 
 def test_what_asks_nothing_is_no_structure() -> None:
@@ -136,7 +155,19 @@ def test_json_schema_constrains_strict_or_not(strict: bool | None) -> None:
 
 
 def test_a_schema_of_true_is_any_value() -> None:
-    assert chat(response_format=js(True)).grammar == "true"
+    # llguidance applies its options to an object schema only ("true" is refused there)
+    assert chat(response_format=js(True)).grammar == "{}"
+    beside = chat(tools=[WEATHER], response_format=js(True))
+    assert beside.checks[0] == ("json_schema", "{}", "response_format")
+    assert beside.grammar is not None and "answer: %json {\"x-guidance\"" in beside.grammar
+    assert chat(response_format=js(True)).schema_sha256 == sha256_of(True)  # as sent
+
+
+def test_a_schema_of_false_is_refused_naming_response_format() -> None:
+    err = refused(response_format=js(False))
+    assert err.param == "response_format" and "false" in err.message
+    assert refused(tools=[WEATHER], tool_choice="required",
+                   response_format=js(False)).param == "response_format"
 
 
 @pytest.mark.parametrize(("choice", "first"), [
@@ -172,16 +203,40 @@ def test_tool_choice_none_renders_the_tools_and_constrains_nothing() -> None:
 
 
 def test_response_format_beside_tools() -> None:
+    params = WEATHER["function"]["parameters"]  # type: ignore[index]
+    each_alone = [("json_schema", json.dumps(SCHEMA), "response_format"),
+                  ("json_schema", json.dumps(params), "tools")]
     auto = chat(tools=[WEATHER], response_format=js())
     assert auto.grammar_kind == "lark" and auto.grammar is not None
     assert auto.grammar.startswith('start: answer | "<tool_call>" call_rest more*')
-    assert [c[2] for c in auto.checks] == ["response_format", "tools"]  # each field alone
-    assert auto.checks[0][:2] == ("json_schema", json.dumps(SCHEMA))
-    forced = chat(tools=[WEATHER], tool_choice="required", response_format=js())
-    assert forced.grammar is not None and "answer" not in forced.grammar and not forced.checks
-    # the format is the final answer's: its instruction is in the prompt all the same
-    assert forced.instruction is not None and json.dumps(SCHEMA) in forced.instruction
-    assert set(forced.versions()) == {"schema", "tools"}
+    assert list(auto.checks) == each_alone  # each field alone, checked first
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        forced = chat(tools=[WEATHER, NOOP], tool_choice=choice, response_format=js())
+        assert forced.grammar is not None and "answer" not in forced.grammar
+        # the format is the final answer's, not this turn's: not constrained, but checked
+        # (what the engine cannot enforce is a 400 naming it in every mode) and stamped
+        assert forced.checks[0] == each_alone[0]
+        assert forced.instruction is not None and json.dumps(SCHEMA) in forced.instruction
+        assert set(forced.versions()) == {"schema", "tools"}
+
+
+def test_each_called_function_s_parameters_are_checked_alone() -> None:
+    """A refusal then names a pointer of the client's own schema, not of the grammar."""
+    own = {"type": "object", "x-guidance": {"lenient": False}, "properties": {}}
+    tool = {"type": "function", "function": {"name": "own", "parameters": own}}
+    noop2 = {"type": "function", "function": {"name": "noop2"}}
+    s = chat(tools=[WEATHER, NOOP, noop2, tool])
+    assert [c[1] for c in s.checks] == [
+        json.dumps(WEATHER["function"]["parameters"]),  # type: ignore[index]
+        json.dumps({"type": "object", "properties": {}, "additionalProperties": False}),
+        json.dumps({"type": "object", "properties": {}})]  # once each; own options dropped
+    assert all(c[::2] == ("json_schema", "tools") for c in s.checks)
+    named = chat(tools=[WEATHER, NOOP], tool_choice={"type": "function",
+                                                     "function": {"name": "noop"}})
+    assert len(named.checks) == 1  # only the function that may be called
+    assert chat(tools=[WEATHER], tool_choice="none").checks == ()
+    assert chat(response_format=js()).checks == ()  # the grammar is the schema itself
 
 
 def test_local_references_still_resolve_when_embedded() -> None:
@@ -194,6 +249,21 @@ def test_local_references_still_resolve_when_embedded() -> None:
     assert '"$ref": "#/properties/arguments/$defs/Loc"' in grammar
     assert '"$ref": "#/properties/arguments"' in grammar
     assert '{"const": {"$ref": "#/kept"}}' in grammar  # data, not a reference
+
+
+@pytest.mark.parametrize("where", ["properties", "$defs", "definitions", "patternProperties",
+                                   "dependentSchemas"])
+@pytest.mark.parametrize("name", ["default", "const", "enum", "examples", "$ref"])
+def test_a_property_named_like_a_data_keyword_is_still_a_schema(where: str, name: str) -> None:
+    """In a name→schema map every value is a schema: its references are rebased."""
+    params = {"type": "object", "$defs": {"Inner": {"type": "integer"}},
+              where: {name: {"$ref": "#/$defs/Inner"}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+    grammar = chat(tools=[tool]).grammar
+    assert grammar is not None
+    assert f'"{where}": {{"{name}": {{"$ref": "#/properties/arguments/$defs/Inner"}}}}' \
+        in grammar
+    assert '"#/$defs/Inner"' not in grammar
 
 
 def test_parameters_without_a_type_are_an_object_and_none_are_no_arguments() -> None:

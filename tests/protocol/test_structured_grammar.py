@@ -117,6 +117,29 @@ def test_references_inside_parameters_hold(tokenizer: llguidance.LLTokenizer) ->
     assert not accepts(g, tokenizer, call("move", {"to": {"y": 1}}))
 
 
+def test_a_parameter_named_default_holding_a_reference(tokenizer: llguidance.LLTokenizer) \
+        -> None:
+    """A property named like a data keyword is a schema: its $ref resolves embedded."""
+    params = {"type": "object", "$defs": {"Inner": {"type": "integer"}},
+              "properties": {"default": {"$ref": "#/$defs/Inner"}}, "required": ["default"],
+              "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+    g = compiled(structured(tools=[tool], tool_choice="required"), tokenizer)
+    assert accepts(g, tokenizer, call("f", {"default": 3}))
+    assert not accepts(g, tokenizer, call("f", {"default": "3"}))
+
+
+def test_a_schema_of_true_compiles_as_any_value(tokenizer: llguidance.LLTokenizer) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": True}}
+    for fields in ({}, {"tools": [WEATHER]}, {"tools": [WEATHER], "tool_choice": "required"}):
+        s = structured(response_format=fmt, **fields)
+        for kind, source, _param in s.checks:
+            compiled(Structured(grammar_kind=kind, grammar=source), tokenizer)
+        g = compiled(s, tokenizer)
+        if not fields:
+            assert accepts(g, tokenizer, "[1,\"a\"]") and accepts(g, tokenizer, "3")
+
+
 def test_json_formats(tokenizer: llguidance.LLTokenizer) -> None:
     g = compiled(structured(response_format={"type": "json_object"}), tokenizer)
     assert accepts(g, tokenizer, '{"a":[1,2]}')

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -304,3 +305,92 @@ def test_logprobs_are_the_models_not_the_masks(parts: EngineParts) -> None:
     assert tok.decode([firsts["free"].top[0][0]]) != "{"  # the mask forced another token
     assert firsts["json"].logprob < firsts["free"].logprob
     assert_clean(core)
+
+
+# ---- grammars compile outside the batch ----------------------------------------------------
+class SlowCompile:
+    """Holds ``GrammarCompiler.compile`` in its worker thread until released."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        original = GrammarCompiler.compile
+
+        def held(compiler: GrammarCompiler, spec: GrammarSpec) -> Any:
+            if threading.current_thread() is not threading.main_thread():
+                self.entered.set()
+                assert self.gate.wait(30)
+            return original(compiler, spec)
+
+        monkeypatch.setattr(GrammarCompiler, "compile", held)
+
+
+def test_a_new_grammar_compiles_while_the_batch_runs(parts: EngineParts,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    core, tok = parts.core, parts.tokenizer
+    slow = SlowCompile(monkeypatch)
+    schema = {"type": "object", "properties": {"compiled_late": {"type": "boolean"}},
+              "required": ["compiled_late"], "additionalProperties": False}
+    core.add_request("free", tok.encode(PROMPT_TEXT), SamplingParams(
+        max_tokens=8, temperature=0.0, ignore_eos=True))
+    core.add_request("late", tok.encode(PROMPT_TEXT), SamplingParams(
+        max_tokens=50, temperature=0.0, grammar=spec(schema)))
+    assert slow.entered.wait(30)
+    produced = 0
+    for _ in range(8):  # the running request keeps stepping; the other waits outside
+        produced += sum(len(d.token_ids) for d in core.step() if d.request_id == "free")
+        assert core.scheduler.get("late") is None and core.state().waiting == 1
+    assert produced == 8 and core.has_work()
+    slow.gate.set()
+    (text, reason), = drain(core).values()
+    assert reason == "stop" and json.loads(text)["compiled_late"] in (True, False)
+    assert core.grammars is not None and core.grammars.ready(spec(schema))
+    assert_clean(core)
+
+
+def test_an_abort_while_compiling_ends_the_request(parts: EngineParts,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    core, tok = parts.core, parts.tokenizer
+    slow = SlowCompile(monkeypatch)
+    schema = {"type": "array", "items": {"const": "aborted while compiling"}}
+    core.add_request("gone", tok.encode(PROMPT_TEXT),
+                     SamplingParams(max_tokens=20, grammar=spec(schema)))
+    assert slow.entered.wait(30) and core.has_work()
+    final = core.abort("gone")
+    assert final is not None and final.finished and final.finish_reason == "abort"
+    assert not core.has_work() and core.state().waiting == 0
+    slow.gate.set()
+    core.add_request("after", tok.encode(PROMPT_TEXT), SamplingParams(max_tokens=3))
+    out = drain(core)
+    assert list(out) == [("after", 0)] and core.take_refusals() == []
+    assert_clean(core)
+
+
+def test_a_grammar_that_fails_to_compile_late_is_refused(parts: EngineParts,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server checks every grammar first; should the engine's compile still fail, the
+    request is refused (the transport tells its stream), and nothing is left behind."""
+    core, tok = parts.core, parts.tokenizer
+
+    def failing(compiler: GrammarCompiler, spec: GrammarSpec) -> Any:
+        raise InvalidRequestError("no", spec.param)
+
+    monkeypatch.setattr(GrammarCompiler, "compile", failing)
+    monkeypatch.setattr(GrammarCompiler, "ready", lambda compiler, spec: False)
+    core.add_request("bad", tok.encode(PROMPT_TEXT),
+                     SamplingParams(max_tokens=5, grammar=spec({"type": "null"})))
+    for _ in range(100):
+        core.step()
+        refused = core.take_refusals()
+        if refused:
+            break
+    assert [(rid, e.param) for rid, e in refused] == [("bad", "response_format")]
+    assert not core.has_work()
+    assert_clean(core)
+
+
+def test_a_schema_without_finite_output_is_refused_by_the_check(parts: EngineParts) -> None:
+    assert parts.core.grammars is not None
+    with pytest.raises(InvalidRequestError) as info:
+        parts.core.grammars.check(spec({"$ref": "#"}))
+    assert "admits no output" in str(info.value) and len(str(info.value)) < 200

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from protocol.sse import EventSplitter, event_data
-from protocol.structured import sha256_of
+from protocol.structured import sha256_of, split_tool_calls
 from protocol.versions import short
 from tests.backend.engine.schemas import satisfiable, schemas
 
@@ -167,6 +167,18 @@ def test_streamed_json_schema_validates(backend: Backend) -> None:
     ({"tools": [WEATHER], "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "string", "format": "no-such-format"}}}},
      "response_format"),  # beside tools, the refusal still names the right field
+    # ... also where the turn is calls only: the format is checked (and stamped) in every mode
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {"type": "string"}}}}},
+     "response_format"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+      "response_format": {"type": "json_schema", "json_schema": {
+          "name": "x", "schema": {"type": "string", "format": "no-such-format"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}},
+     "response_format"),
+    ({"messages": [*MESSAGES, {"role": "tool", "tool_call_id": "call_1", "content": "x"}]},
+     "messages"),  # a result of no call
 ])
 def test_bad_requests_are_400s_naming_the_field(backend: Backend, body: dict[str, Any],
                                                 param: str) -> None:
@@ -176,7 +188,47 @@ def test_bad_requests_are_400s_naming_the_field(backend: Backend, body: dict[str
     assert r.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_a_schema_of_true_is_any_json_value(backend: Backend) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "any", "schema": True}}
+    r = chat(backend, response_format=fmt)
+    choice = ok(r)["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    json.loads(choice["message"]["content"])
+    assert r.headers["x-sluice-resolved"].endswith(f"; schema={short(sha256_of(True))}")
+    beside = ok(chat(backend, response_format=fmt, tools=[WEATHER], tool_choice="required"))
+    assert beside["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize(("params", "pointer"), [
+    ({"type": "object", "properties": {"d": {"$ref": "#/$defs/Missing"}}}, "/$defs/Missing"),
+    ({"type": "object", "properties": {"d": False}, "required": ["d"]}, "'d'"),
+])
+def test_tool_refusals_name_the_client_s_schema_not_the_grammar(
+        backend: Backend, params: dict[str, Any], pointer: str) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+    for choice in ("auto", "required"):
+        r = chat(backend, tools=[tool], tool_choice=choice)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "tools" and pointer in error["message"], error
+        for internal in ("%json", "x-guidance", "call_rest", "/properties/arguments", "\n"):
+            assert internal not in error["message"], error
+
+
 # ---- tools ----------------------------------------------------------------------------------
+def test_a_parameter_named_default_holding_a_reference(backend: Backend) -> None:
+    """A property named like a data keyword is a schema: its $ref is rebased, not a 400."""
+    params = {"type": "object", "$defs": {"Inner": {"type": "integer", "minimum": 1,
+                                                     "maximum": 9}},
+              "properties": {"default": {"$ref": "#/$defs/Inner"}}, "required": ["default"],
+              "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+    choice = ok(chat(backend, tools=[tool], tool_choice="required"))["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    for call in choice["message"]["tool_calls"]:
+        check_call(call, [tool])
+
+
 @pytest.mark.parametrize("n", [1, 3])
 def test_required_tools_answer_tool_calls(backend: Backend, n: int) -> None:
     r = chat(backend, tools=[WEATHER, NOOP], tool_choice="required", n=n)
@@ -186,6 +238,7 @@ def test_required_tools_answer_tool_calls(backend: Backend, n: int) -> None:
         assert choice["finish_reason"] == "tool_calls", choice
         message = choice["message"]
         assert message["role"] == "assistant" and message["content"] is None
+        assert message["refusal"] is None  # as OpenAI's messages always have it
         assert message["tool_calls"]
         for call in message["tool_calls"]:
             check_call(call, [WEATHER, NOOP])
@@ -207,7 +260,9 @@ def test_streamed_tool_calls_are_the_whole_answer_s(backend: Backend) -> None:
     fields = {"tools": [WEATHER, NOOP], "tool_choice": "required", "n": 2}
     whole = ok(chat(backend, **fields))["choices"]
     chunks = stream_chunks(backend, **fields)
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    # the answer can only be calls: OpenAI's opening delta, content null
+    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [
+        {"role": "assistant", "content": None}] * 2
     streamed = reassemble(chunks)
     assert sorted(streamed) == [0, 1]
     for i, choice in enumerate(whole):
@@ -231,16 +286,46 @@ def test_tool_choice_none_answers_text(backend: Backend) -> None:
     assert "tool_calls" not in message and isinstance(message["content"], str)
 
 
-def test_auto_answers_text_or_calls(backend: Backend) -> None:
-    for seed in range(3):
-        body = ok(chat(backend, tools=[WEATHER], seed=seed, max_tokens=60))
-        choice = body["choices"][0]
-        if choice["message"].get("tool_calls"):
-            assert choice["finish_reason"] == "tool_calls"
-            for call in choice["message"]["tool_calls"]:
-                check_call(call, [WEATHER])
-        else:  # free text never holds a call's opening tag
-            assert "<tool_call>" not in choice["message"]["content"]
+OPEN = "31"  # "<": the tiny tokenizer's first token of "<tool_call>"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_auto_completes_a_call_the_model_starts(backend: Backend, seed: int) -> None:
+    """Under ``auto`` beside a JSON format the model chooses, at its first token, between
+    the answer ("{") and a call ("<"): a bias toward "<" makes it start a call by itself,
+    and the grammar must then force a whole valid one. With the same bias and no grammar
+    (``tool_choice: none``), the output is no valid call: the grammar made it one.
+
+    (The tiny model cannot be biased into writing "<tool_call>" in free text, as ``auto``
+    without a format would need: over its 7 tokens, the best static bias gives it a
+    probability near 1e-11, and greedy decoding cannot be made to write it at all.)"""
+    bias = {**CLOSERS, OPEN: 8}
+    fmt = {"type": "json_schema", "json_schema": {"name": "out", "schema": SCHEMAS[0]}}
+    body = ok(chat(backend, tools=[WEATHER], response_format=fmt, seed=seed, logit_bias=bias))
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    assert choice["message"]["content"] is None and choice["message"]["tool_calls"]
+    for call in choice["message"]["tool_calls"]:
+        check_call(call, [WEATHER])
+    free = ok(chat(backend, tools=[WEATHER], tool_choice="none", seed=seed, logit_bias=bias))
+    content = free["choices"][0]["message"]["content"]
+    assert "<" in content and split_tool_calls(content) is None, content
+    # biased away from "<", the same request answers in the format: the model chose
+    answer = ok(chat(backend, tools=[WEATHER], response_format=fmt, seed=seed,
+                     logit_bias={**CLOSERS, OPEN: -8}))["choices"][0]
+    assert answer["finish_reason"] == "stop" and "tool_calls" not in answer["message"]
+    jsonschema.validate(json.loads(answer["message"]["content"]), SCHEMAS[0])
+
+
+def test_auto_without_a_format_is_constrained_text(backend: Backend) -> None:
+    """``auto`` alone still constrains: its free text is never empty (the end token cannot
+    come first), where the same request under ``none`` may end at once."""
+    eos = {"3": 100}
+    auto = ok(chat(backend, tools=[WEATHER], logit_bias=eos))["choices"][0]
+    assert auto["finish_reason"] == "stop" and auto["message"]["content"]
+    assert "<tool_call>" not in auto["message"]["content"]
+    free = ok(chat(backend, tools=[WEATHER], tool_choice="none", logit_bias=eos))["choices"][0]
+    assert free["message"]["content"] == ""
 
 
 def test_tool_results_in_the_history(backend: Backend) -> None:
@@ -291,6 +376,16 @@ def test_sdk_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
     choice = out.choices[0]
     assert choice.finish_reason == "stop"
     assert isinstance(choice.message.parsed, Person)
+
+
+def test_sdk_accumulates_a_calls_only_stream_with_content_none(client: openai.OpenAI) -> None:
+    with client.beta.chat.completions.stream(
+            model=MODEL, messages=MESSAGES, tools=[WEATHER], tool_choice="required",  # type: ignore[list-item]
+            max_tokens=400, seed=3, logit_bias=CLOSERS) as stream:  # type: ignore[arg-type]
+        final = stream.get_final_completion()
+    message = final.choices[0].message
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert message.content is None and message.tool_calls
 
 
 def test_sdk_tools_streamed(client: openai.OpenAI) -> None:
@@ -362,3 +457,22 @@ def test_generated_parameter_schemas_give_valid_calls(backend: Backend, closers:
     assert choice["finish_reason"] == "tool_calls", choice
     [call] = choice["message"]["tool_calls"]
     check_call(call, [tool])
+
+
+def test_state_and_metrics_count_compiles_and_cache_hits(backend: Backend) -> None:
+    """A schema compiled once, then served from the cache; /metrics says so."""
+    schema = {"type": "object", "properties": {"metric_probe": {"enum": [1, 2]}},
+              "required": ["metric_probe"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "probe", "schema": schema}}
+    before = backend.state()
+    for _ in range(3):
+        ok(chat(backend, response_format=fmt))
+    after = backend.state()
+    assert after["grammar_compiles"] == before["grammar_compiles"] + 1
+    assert after["grammar_cache_hits"] == before["grammar_cache_hits"] + 2
+    text = httpx.get(backend.url + "/metrics").text
+    values = {ln.split()[0]: float(ln.split()[-1]) for ln in text.splitlines()
+              if ln.startswith("sluice_backend_grammar_")}
+    assert values["sluice_backend_grammar_compiles_total"] == after["grammar_compiles"]
+    assert values["sluice_backend_grammar_cache_hits_total"] == after["grammar_cache_hits"]
+    assert values["sluice_backend_grammar_sequences"] == 0

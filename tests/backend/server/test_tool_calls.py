@@ -8,6 +8,9 @@ import itertools
 import json
 from typing import Any
 
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletionChunk
+
 from backend.engine.outputs import OutputDelta
 from backend.engine.sampling import SamplingParams
 from backend.server.service import Prepared
@@ -56,12 +59,12 @@ TEXT_1 = "no calls < here"
 def test_whole_message() -> None:
     message, reason = tool_call_message(TEXT_0, "stop", ids())
     assert reason == "tool_calls" and message == {
-        "role": "assistant", "content": None, "tool_calls": [
+        "role": "assistant", "content": None, "refusal": None, "tool_calls": [
             {"id": "call_0", "type": "function",
              "function": {"name": "f", "arguments": '{"a": [1, "}"]}'}},
             {"id": "call_1", "type": "function", "function": {"name": "g", "arguments": "{}"}}]}
     assert tool_call_message(TEXT_1, "stop") == (
-        {"role": "assistant", "content": TEXT_1}, "stop")
+        {"role": "assistant", "content": TEXT_1, "refusal": None}, "stop")
     cut, reason = tool_call_message("Hi.\n" + TEXT_0[:40], "length", ids())
     assert reason == "length" and cut["content"] == "Hi."  # the partial call, as streamed
     assert cut["tool_calls"][0]["function"]["arguments"] == TEXT_0[TEXT_0.index("{\"a"):40]
@@ -75,7 +78,8 @@ def test_whole_response_reads_each_choice() -> None:
     first, second = body["choices"]
     assert first["finish_reason"] == "tool_calls"
     assert [c["function"]["name"] for c in first["message"]["tool_calls"]] == ["f", "g"]
-    assert second == {"index": 1, "message": {"role": "assistant", "content": TEXT_1},
+    assert second == {"index": 1, "message": {"role": "assistant", "content": TEXT_1,
+                                              "refusal": None},
                       "logprobs": None, "finish_reason": "length"}
 
 
@@ -84,7 +88,8 @@ def test_without_tools_the_answer_is_content() -> None:
     assert not p.structured.calls_tools
     body = whole_response(p, [Choice(parts=[TEXT_0], finish_reason="stop")],
                           delta("", finished=True, reason="stop"))
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": TEXT_0}
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": TEXT_0,
+                                             "refusal": None}
 
 
 def stream(p: Prepared, pieces: list[list[str]], reasons: list[str]) -> list[dict[str, Any]]:
@@ -139,6 +144,35 @@ def test_the_last_chunk_of_a_choice_is_an_empty_delta() -> None:
                       if e["choices"] and "tool_calls" in e["choices"][0]["delta"])
     assert first_call == {"tool_calls": [{"index": 0, "id": "call_0", "type": "function",
                                           "function": {"name": "f", "arguments": ""}}]}
+
+
+NAMED = {"type": "function", "function": {"name": "g"}}
+
+
+def sdk_message(events: list[dict[str, Any]]) -> Any:
+    """The message the official SDK accumulates from these chunks."""
+    state: ChatCompletionStreamState[None] = ChatCompletionStreamState()
+    for e in events:
+        state.handle_chunk(ChatCompletionChunk.model_validate(e))
+    return state.get_final_completion().choices[0].message
+
+
+def test_a_calls_only_stream_opens_with_null_content_as_openai_s() -> None:
+    """required / a named function: the answer can only be calls, so the opening delta is
+    OpenAI's ``content: null``, and the SDK's accumulated message has content None."""
+    for choice in ("required", NAMED):
+        events = stream(prepared(n=2, tool_choice=choice), [[TEXT_0], [TEXT_0]],
+                        ["stop", "stop"])
+        opening = [e["choices"][0] for e in events[:2]]
+        assert [c["delta"] for c in opening] == [{"role": "assistant", "content": None}] * 2
+        assert [c["index"] for c in opening] == [0, 1]
+        message = sdk_message(events)
+        assert message.content is None and [c.function.name for c in message.tool_calls] \
+            == ["f", "g"]
+    # under auto the answer may be text: the opening delta is a text stream's
+    auto = stream(prepared(), [[TEXT_1]], ["stop"])
+    assert auto[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert sdk_message(auto).content == TEXT_1
 
 
 def test_a_cut_call_keeps_the_engine_s_finish_reason() -> None:
