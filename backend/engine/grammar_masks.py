@@ -85,9 +85,10 @@ class Masker:
     def _forbidden(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
         """[len(matchers), vocab] bool, True where a token is not allowed.
 
-        No torch op runs here: a torch op on this thread would start an OpenMP team of its
-        own, whose threads spin after each op, beside the forward's: on a CPU that made
-        every later forward up to 2x slower, constrained or not. llguidance (its pointer
+        No torch op runs here: a torch op on this thread gives the process an OpenMP team
+        of its own, more threads than CPUs, and then libgomp stops spinning at barriers:
+        the forward's (~9 a layer) sleep instead, and every later forward ran ~1.8x slower,
+        constrained or not (measured: docs/bench.md#structured-outputs-issue-24-2026-12-02). llguidance (its pointer
         API, as its torch helper calls it, without importing that module: it pulls in
         torch._dynamo) and numpy are single-threaded here."""
         n = len(matchers)
