@@ -25,10 +25,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol.contract import ChatRequest
-from protocol.structured import NO_STRUCTURE, Structured, sha256_of, structured_of
-
-# A json_object format constrains to any object: hashed as this schema, as structured_of does.
-JSON_OBJECT_SCHEMA: Mapping[str, Any] = {"type": "object"}
+from protocol.structured import (
+    JSON_OBJECT_SCHEMA,
+    NO_STRUCTURE,
+    Structured,
+    sha256_of,
+    structured_of,
+)
 
 
 @dataclass(slots=True, frozen=True)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -61,7 +62,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
 
 __all__ = [
-    "CALL_CLOSE", "CALL_OPEN", "NO_STRUCTURE", "GrammarKind", "Structured",
+    "CALL_CLOSE", "CALL_OPEN", "JSON_OBJECT_SCHEMA", "NO_STRUCTURE", "GrammarKind", "Structured",
     "ToolCall", "ToolCallStream", "canonical_json", "parse_tool_calls", "sha256_of",
     "split_tool_calls", "structured_of",
 ]
@@ -69,6 +70,8 @@ __all__ = [
 GrammarKind = Literal["json_schema", "lark"]
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _CHOICES = ("none", "auto", "required")
+# What a json_object format constrains to (and is hashed as, by the gateway too).
+JSON_OBJECT_SCHEMA: Mapping[str, Any] = {"type": "object"}
 _OBJECT_INSTRUCTION = "Answer with one JSON object and nothing else."
 _SCHEMA_INSTRUCTION = ("Answer with one JSON value that matches this JSON Schema, and nothing "
                        "else:\n")
@@ -241,7 +244,7 @@ def _response_format(value: dict[str, Any] | None) -> tuple[str, Any, str | None
         return "text", None, None
     if kind == "json_object":
         _keys(value, ("type",), "response_format", "response_format")
-        return "json_object", {"type": "object"}, _OBJECT_INSTRUCTION
+        return "json_object", dict(JSON_OBJECT_SCHEMA), _OBJECT_INSTRUCTION
     if kind != "json_schema":
         raise BadRequest(f"response_format.type must be 'text', 'json_object' or "
                          f"'json_schema', not {kind!r}", "response_format",

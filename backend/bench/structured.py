@@ -90,7 +90,7 @@ SCHEMA: dict[str, Any] = {
 def closing_bias(tokenizer: Tokenizer, bias: float = 8.0) -> tuple[tuple[int, float], ...]:
     """A logit bias toward the tokens that only close (a quote, ``]``, ``}``, the end of
     sequence): a trained model's wish to close what it opened, which random weights lack
-    (tests/backend/engine/schemas.py has the same)."""
+    (tests/backend/engine/schemas.py adds a weaker comma)."""
     ids = [i for i in range(tokenizer.vocab_size)
            if (s := tokenizer.decode([i])) and set(s) <= set('"]}')]
     ids += [i for i in tokenizer.eos_token_ids if i not in ids]

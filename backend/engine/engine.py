@@ -99,7 +99,6 @@ class LLMEngine:
         self.runner = runner
         # constrained decoding (grammar.py): a matcher per constrained choice, masks
         # computed beside the forward pass; a step without one pays nothing
-        self.grammars = grammars
         self.constraints = Constraints(grammars, vocab_size)
         self.step_hook = step_hook
         # speculative decoding (spec.py): the scheduler reserves draft slots, this drafts
@@ -175,6 +174,11 @@ class LLMEngine:
             else:
                 self._requests[rid].choices[0] = self._choice_state(seq, got.template)
                 self.scheduler.add(seq)
+
+    @property
+    def grammars(self) -> GrammarCompiler | None:
+        """The engine's grammar compiler (None: no constrained decoding)."""
+        return self.constraints.grammars
 
     def take_refusals(self) -> list[tuple[str, InvalidRequestError]]:
         """Requests refused after ``add_request`` returned (their grammar failed)."""

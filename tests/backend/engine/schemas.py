@@ -10,6 +10,7 @@ from typing import Any
 from hypothesis_jsonschema import from_schema
 from hypothesis_jsonschema._canonicalise import FALSEY, canonicalish
 
+from backend.bench.structured import closing_bias as bench_closing_bias
 from modelfiles.tokenizer import Tokenizer
 
 NAME = {"type": "string", "pattern": "^[a-z]{1,5}$"}
@@ -83,14 +84,10 @@ schemas = from_schema(meta_schema(2, leaves=False)).map(_tidy)
 
 
 def closing_bias(tokenizer: Tokenizer, bias: float = 8.0) -> tuple[tuple[int, float], ...]:
-    """A logit bias toward the tokens that only close (a quote, ``]``, ``}``, the end of
-    sequence): random weights wander inside a string, a number or an array for thousands
-    of tokens; a trained model closes them. The grammar still decides which tokens are
-    valid; without it, these tokens make no valid JSON."""
-    ids = [i for i in range(tokenizer.vocab_size)
-           if (s := tokenizer.decode([i])) and set(s) <= set('"]}')]
-    ids += [i for i in tokenizer.eos_token_ids if i not in ids]
-    # a comma ends a number where a closing bracket may not come yet (minItems); weaker,
-    # so that an array closes where it may
+    """The bench's bias toward the closing tokens (a quote, ``]``, ``}``, the end token:
+    random weights wander inside a string, a number or an array for thousands of tokens;
+    a trained model closes them; the grammar still decides which tokens are valid), and a
+    comma at half: it ends a number where a closing bracket may not come yet (minItems),
+    weaker, so that an array closes where it may."""
     commas = [i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]) == ","]
-    return tuple((i, bias) for i in ids) + tuple((i, bias / 2) for i in commas)
+    return bench_closing_bias(tokenizer, bias) + tuple((i, bias / 2) for i in commas)
