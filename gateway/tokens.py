@@ -46,7 +46,7 @@ import httpx
 from modelfiles.errors import ModelFileError
 from protocol.contract import check_render_size
 from protocol.errors import RateLimited
-from protocol.http import digits
+from protocol.http import retry_after_s
 from protocol.offload import TokenizePool
 from protocol.prompt_bound import PromptBound
 
@@ -297,11 +297,7 @@ class UpstreamCounter:
 
 def _retry_after(resp: httpx.Response) -> float:
     """The upstream's Retry-After (``retry-after-ms`` first), or 1 s if it names none."""
-    for name, scale in (("retry-after-ms", 1000), ("retry-after", 1)):
-        value = digits(resp.headers.get(name), _MAX_RETRY_DIGITS)
-        if value is not None:
-            return value / scale
-    return 1.0
+    return retry_after_s(resp.headers, max_digits=_MAX_RETRY_DIGITS)
 
 
 def _error_message(resp: httpx.Response) -> str | None:

@@ -13,7 +13,7 @@ rate(t)/peak, which gives exactly the intended rate at every instant.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,6 +69,7 @@ def _thinned(rng: np.random.Generator, duration: float, rate: Callable[[float], 
 def arrival_times(w: Workload) -> list[float]:
     """Scheduled send times in [0, duration_s), ascending."""
     a, d = w.arrival, w.duration_s
+    assert a is not None, "a closed-loop workload has no arrival times"
     rng = _rng(w.seed, _TIMES)
     if a.process == "constant":
         rate = float(a.rate or 0)
@@ -107,9 +108,9 @@ def _patience(p: Patience, v: float, z: float) -> float:
     return median_s * math.exp(p.sigma * z)
 
 
-def _pick(rng: np.random.Generator, weights: list[float]) -> int:
-    """An index drawn with probability proportional to its weight (one uniform draw)."""
-    u = float(rng.random()) * sum(weights)
+def _pick(u: float, weights: list[float]) -> int:
+    """An index drawn with probability proportional to its weight, from one uniform ``u``."""
+    u *= sum(weights)
     for i, x in enumerate(weights):
         u -= x
         if u < 0:
@@ -117,13 +118,12 @@ def _pick(rng: np.random.Generator, weights: list[float]) -> int:
     return len(weights) - 1
 
 
-def _attributes(c: ClassSpec, rng: np.random.Generator,
+def _attributes(c: ClassSpec, draw: tuple[float, float, float, float],
                 ) -> tuple[int, int, float | None, int | None]:
     pairs = c.length_pairs()
-    i, o, _ = pairs[_pick(rng, [p[2] for p in pairs])]
+    pick, u, v, z = draw
+    i, o, _ = pairs[_pick(pick, [p[2] for p in pairs])]
     patience, after = None, None
-    # Always draw the same numbers, so one class's cancel settings never shift the others.
-    u, v, z = float(rng.random()), float(rng.random()), float(rng.standard_normal())
     if c.cancel is not None and u < c.cancel.share:
         patience = (None if c.cancel.patience_ms is None
                     else _patience(c.cancel.patience_ms, v, z))
@@ -131,21 +131,31 @@ def _attributes(c: ClassSpec, rng: np.random.Generator,
     return i, o, patience, after
 
 
-def schedule(w: Workload) -> list[Planned]:
-    """Every request of the run, in send order."""
-    times = arrival_times(w)
+def _draws(w: Workload) -> Iterator[tuple[int, tuple[float, float, float, float]]]:
+    """(class index, the class's four draws) of request 0, 1, 2, ...: one stream, the same
+    numbers for every request whatever its class (so one class's settings never shift the
+    others), drawn in order, so the n-th request is the same in open and closed loop."""
     rng = _rng(w.seed, _ATTRS)
-    start, end = w.window()
     shares = [c.share for c in w.classes]
+    while True:
+        k = _pick(float(rng.random()), shares)
+        yield k, (float(rng.random()), float(rng.random()), float(rng.random()),
+                  float(rng.standard_normal()))
+
+
+def schedule(w: Workload) -> list[Planned]:
+    """Every request of an open-loop run, in send order (``requests`` caps the count)."""
+    assert w.arrival is not None, "a closed-loop workload has no schedule"
+    times = arrival_times(w)[: w.requests]
+    start, end = w.window()
     rows = w.arrival.rows if w.arrival.process == "replay" else ()
     out = []
-    for n, t in enumerate(times):
+    for n, (t, (k, draw)) in enumerate(zip(times, _draws(w))):
         row = rows[n] if rows else None
-        k = _pick(rng, shares)
         if row is not None and row.class_ is not None:
             k = next(j for j, c in enumerate(w.classes) if c.name == row.class_)
         c = w.classes[k]
-        i, o, patience, after = _attributes(c, rng)
+        i, o, patience, after = _attributes(c, draw)
         if row is not None:
             i, o = row.input, row.output
         out.append(Planned(
@@ -155,3 +165,30 @@ def schedule(w: Workload) -> list[Planned]:
                       else c.priority),
             patience_s=patience, cancel_after=after, measured=start <= t < end))
     return out
+
+
+def cap_requests(w: Workload) -> Workload:
+    """Open loop with ``requests``: the schedule ends where the (requests+1)-th arrival would
+    be, so the rates divide by the time the requests took to arrive (arrival times drawn
+    for a shorter duration are a prefix of the longer draw's)."""
+    if w.arrival is None or w.requests is None:
+        return w
+    times = arrival_times(w)
+    if len(times) <= w.requests:
+        return w
+    end = times[w.requests]
+    if w.warmup_s + w.cooldown_s >= end:
+        raise ValueError(f"requests: {w.requests} requests arrive within {end:.3g} s, not "
+                         f"after warmup_s + cooldown_s ({w.warmup_s + w.cooldown_s:g} s)")
+    return w.model_copy(update={"duration_s": end})
+
+
+def requests_in_order(w: Workload) -> Iterator[Planned]:
+    """Closed loop: the requests in send order, without times (``t`` is filled in when each
+    is sent; ``measured`` then follows from it)."""
+    for n, (k, draw) in enumerate(_draws(w)):
+        c = w.classes[k]
+        i, o, patience, after = _attributes(c, draw)
+        yield Planned(idx=n, t=0.0, cls=c.name, input_tokens=i, output_tokens=o,
+                      tenant=c.label, priority=c.priority, patience_s=patience,
+                      cancel_after=after, measured=False)

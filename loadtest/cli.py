@@ -53,7 +53,8 @@ def register(sub: Any) -> None:
     """Add the load-testing subcommands to the `sluice` parser."""
     from loadtest.command import add_arguments
 
-    lt = sub.add_parser("loadtest", help="open-loop load test: goodput, SLOs, capacity report")
+    lt = sub.add_parser("loadtest", help="load test (open or closed loop): goodput, SLOs, "
+                                         "capacity; `loadtest compare A B`: A/B of two runs")
     add_arguments(lt)
     lt.set_defaults(func=_loadtest)
     p = sub.add_parser("fake-upstream",

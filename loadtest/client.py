@@ -17,15 +17,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from loadtest.arrivals import Planned
+from loadtest.dataset import Entry
 from loadtest.prompts import PROBE_WORDS, Calibration, PromptBook, words
 from loadtest.workload import Workload
+from protocol.http import retry_after_s
 
 # A streamed request ends in exactly one of these (stats.py decides success vs slo_miss).
 CANCEL_PATIENCE, CANCEL_TOKENS = "patience", "after_tokens"
@@ -68,15 +73,25 @@ def endpoint(w: Workload) -> str:
 
 
 def request_body(w: Workload, p: Planned, prompts: PromptBook, target: Target,
-                 ) -> dict[str, Any]:
+                 entry: Entry | None = None) -> dict[str, Any]:
+    """The request for ``p``: a synthetic prompt of its length, or the dataset ``entry``'s
+    messages or prompt (``p`` then carries the entry's lengths)."""
     c = w.class_named(p.cls)
-    text = prompts.text(p.idx, p.input_tokens, c.prefix_group)
     body: dict[str, Any] = {"model": c.model or w.model, "stream": True,
                             "max_tokens": p.output_tokens + c.max_tokens_slack}
-    if w.api == "chat":
-        body["messages"] = [{"role": "user", "content": text}]
+    if entry is not None and w.api == "chat" and entry.messages is not None:
+        body["messages"] = [dict(m) for m in entry.messages]
+    elif entry is not None and entry.prompt is not None:
+        if w.api == "chat":
+            body["messages"] = [{"role": "user", "content": entry.prompt}]
+        else:
+            body["prompt"] = entry.prompt
     else:
-        body["prompt"] = text
+        text = prompts.text(p.idx, p.input_tokens, c.prefix_group)
+        if w.api == "chat":
+            body["messages"] = [{"role": "user", "content": text}]
+        else:
+            body["prompt"] = text
     opts: dict[str, Any] = {"include_usage": True}
     if target.continuous_usage:
         opts["continuous_usage_stats"] = True
@@ -187,8 +202,7 @@ async def send_one(client: httpx.AsyncClient, url: str, key: str | None, body: b
                                  headers=_headers(key, rec.plan.idx),
                                  extensions={"trace": trace}) as resp:
             rec.status = resp.status_code
-            q = resp.headers.get("x-sluice-queue-ms")
-            rec.queue_ms = float(q) if q else None
+            rec.queue_ms = _queue_ms(resp.headers.get("x-sluice-queue-ms"))
             if resp.status_code != 200:
                 text = (await resp.aread())[:300].decode(errors="replace")
                 rec.error = f"HTTP {resp.status_code}: {text}"
@@ -203,12 +217,35 @@ async def send_one(client: httpx.AsyncClient, url: str, key: str | None, body: b
             rec.timed_out = True
     except httpx.HTTPError as exc:
         rec.error = rec.error or f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # noqa: BLE001 - whatever a server sends is an outcome, never a crash
+        rec.error = rec.error or f"{type(exc).__name__}: {exc}"
     if not rec.finished:
         rec.done = time.perf_counter()
 
 
+def _queue_ms(raw: str | None) -> float | None:
+    """The gateway's queue-time header; None when absent or not a finite number."""
+    try:
+        value = float(raw) if raw else None
+    except ValueError:
+        return None
+    return value if value is not None and math.isfinite(value) else None
+
+
+PROBE_WAIT_S = 30.0  # how long the start-up probes may wait on 429/503 Retry-After
+RETRY_MIN_S = 0.1  # never retry faster than this, whatever Retry-After says (0, a past date)
+
+
+class ProbeRefused(RuntimeError):
+    """The start-up probe got no usable answer (the message says why)."""
+
+
 async def _probe(client: httpx.AsyncClient, url: str, key: str | None, w: Workload,
-                 text: str, continuous: bool) -> httpx.Response:
+                 text: str, continuous: bool, budget: tuple[float, float],
+                 say: Callable[[str], None]) -> httpx.Response:
+    """One probe request; a 429 or 503 (a shedding target is what the tool is for) is
+    tried again after its Retry-After while the budget lasts (``budget``: the loop time
+    it ends at, and its length in seconds)."""
     body: dict[str, Any] = {"model": w.model, "max_tokens": 1, "stream": True,
                             "stream_options": {"include_usage": True}}
     if continuous:
@@ -217,40 +254,64 @@ async def _probe(client: httpx.AsyncClient, url: str, key: str | None, w: Worklo
         body["messages"] = [{"role": "user", "content": text}]
     else:
         body["prompt"] = text
-    resp = await client.post(url, json=body, headers=_headers(key, -1))
-    return resp
+    loop = asyncio.get_running_loop()
+    end, total = budget
+    while True:
+        resp = await client.post(url, json=body, headers=_headers(key, -1))
+        if resp.status_code not in (429, 503):
+            return resp
+        pause = max(RETRY_MIN_S, retry_after_s(resp.headers))
+        if loop.time() + pause > end:
+            raise ProbeRefused(
+                f"probe request refused: HTTP {resp.status_code} with Retry-After "
+                f"{resp.headers.get('retry-after', '(none)')}; waited "
+                f"{max(0.0, total - (end - loop.time())):.1f} s of --probe-wait {total:g} s: "
+                f"{resp.text[:200]}")
+        say(f"probe: HTTP {resp.status_code}, trying again in {pause:.3g} s (Retry-After)")
+        await asyncio.sleep(pause)
 
 
 def _prompt_tokens(resp: httpx.Response) -> int:
     for line in resp.text.splitlines():
         if line.startswith("data:") and "prompt_tokens" in line:
-            usage = json.loads(line[5:]).get("usage") or {}
-            if usage.get("prompt_tokens") is not None:
-                return int(usage["prompt_tokens"])
-    raise RuntimeError("the target reports no usage.prompt_tokens; cannot size prompts")
+            try:
+                usage = json.loads(line[5:]).get("usage") or {}
+                if usage.get("prompt_tokens") is not None:
+                    return int(usage["prompt_tokens"])
+            except (ValueError, TypeError, AttributeError):
+                raise ProbeRefused(f"the probe's answer is not OpenAI SSE: {line[:200]}"
+                                   ) from None
+    raise ProbeRefused("the target reports no usage.prompt_tokens; cannot size prompts")
 
 
-async def calibrate(base_url: str, key: str | None, w: Workload,
-                    ) -> tuple[Calibration, bool]:
+async def calibrate(base_url: str, key: str | None, w: Workload, *,
+                    wait_s: float = PROBE_WAIT_S,
+                    say: Callable[[str], None] | None = None) -> tuple[Calibration, bool]:
     """(prompt calibration, whether the target streams running usage), from two probes.
 
     A target that refuses ``continuous_usage_stats`` (400) is probed again without it.
-    The probes use ``key``, or else the first class's key.
+    A 429/503 is tried again after its Retry-After, within ``wait_s`` in all. The probes
+    use ``key``, or else the first class's key.
     """
     url = base_url + endpoint(w)
     key = key or next((k for c in w.classes if (k := c.api_key(None))), None)
+    budget = (asyncio.get_running_loop().time() + wait_s, wait_s)
+    tell = say or (lambda line: print(line, file=sys.stderr, flush=True))
     async with httpx.AsyncClient(timeout=60.0) as client:
         continuous = True
-        resp = await _probe(client, url, key, w, words(1, PROBE_WORDS[0]), True)
+        resp = await _probe(client, url, key, w, words(1, PROBE_WORDS[0]), True, budget, tell)
         if resp.status_code == 400:
             continuous = False
-            resp = await _probe(client, url, key, w, words(1, PROBE_WORDS[0]), False)
+            resp = await _probe(client, url, key, w, words(1, PROBE_WORDS[0]), False, budget,
+                                tell)
         if resp.status_code != 200:
-            raise RuntimeError(f"probe request failed: HTTP {resp.status_code}: "
+            raise ProbeRefused(f"probe request failed: HTTP {resp.status_code}: "
                                f"{resp.text[:300]}")
         p1 = _prompt_tokens(resp)
-        resp = await _probe(client, url, key, w, words(2, PROBE_WORDS[1]), continuous)
+        resp = await _probe(client, url, key, w, words(2, PROBE_WORDS[1]), continuous, budget,
+                            tell)
         if resp.status_code != 200:
-            raise RuntimeError(f"probe request failed: HTTP {resp.status_code}")
+            raise ProbeRefused(f"probe request failed: HTTP {resp.status_code}: "
+                               f"{resp.text[:300]}")
         p2 = _prompt_tokens(resp)
     return Calibration.from_probes(PROBE_WORDS[0], p1, PROBE_WORDS[1], p2), continuous

@@ -1,7 +1,7 @@
 """The report's PNG plots (matplotlib, Agg backend: no display needed).
 
 Four figures: latency CDFs per class, goodput against offered load (the sweep's curve, or
-the run's one point), a timeline of rate / queue / KV / rejects on the client's clock, and
+for a single run its rates and attainment against the goal), a timeline of rate / queue / KV / rejects on the client's clock, and
 the outcome breakdown per class. Each function writes one file and returns its path.
 """
 
@@ -23,7 +23,8 @@ COLORS = {"success": "#2ca02c", "slo_miss": "#bcbd22", "rejected_429": "#ff7f0e"
           "cancelled": "#17becf"}
 
 
-def _save(fig: Any, path: Path) -> Path:
+def save_png(fig: Any, path: Path) -> Path:
+    """Write ``fig`` as a PNG at ``path`` and close it (every report plot goes through here)."""
     with warnings.catch_warnings():  # a crowded legend only loses some margin
         warnings.simplefilter("ignore", UserWarning)
         fig.tight_layout()
@@ -47,35 +48,77 @@ def latency_cdfs(by_class: dict[str, list[Measured]], out: Path) -> Path:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("share of requests")
     axes[0].legend(fontsize=8)
-    return _save(fig, out / "latency_cdf.png")
+    return save_png(fig, out / "latency_cdf.png")
 
 
 def goodput_curve(points: list[dict[str, Any]], capacity: float | None, goal: float,
                   out: Path) -> Path:
-    """``points``: [{offered_rps, goodput_rps, slo_attainment}] in offered order."""
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    """``points``: [{offered_rps, achieved_rps, goodput_rps, slo_attainment}]; a sweep's
+    curve, or with one point the run's own rates and attainment."""
+    return save_png(goodput_figure(points, capacity, goal), out / "goodput_vs_load.png")
+
+
+def goodput_figure(points: list[dict[str, Any]], capacity: float | None, goal: float,
+                   ) -> Any:
+    if len(points) < 2:
+        return _goodput_single(points[0], goal)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
     pts = sorted(points, key=lambda p: p["offered_rps"])
     xs = [p["offered_rps"] for p in pts]
-    ax.plot(xs, xs, ls=":", color="grey", label="offered")
-    ax.plot(xs, [p["goodput_rps"] for p in pts], marker="o", label="goodput")
-    ax.plot(xs, [p["achieved_rps"] for p in pts], marker=".", alpha=0.6, label="achieved")
+    ax.plot(xs, xs, ls=":", color="grey", label="offered (req/s)")
+    ax.plot(xs, [p["goodput_rps"] for p in pts], marker="o", color="C2",
+            label="goodput (req/s)")
+    ax.plot(xs, [p["achieved_rps"] for p in pts], marker=".", color="C0", alpha=0.6,
+            label="achieved (req/s)")
     ax.set_xlabel("offered load (req/s)")
     ax.set_ylabel("req/s")
+    # attainment and its goal share the right axis, drawn in one colour, so the goal line
+    # reads against attainment and never against req/s
     ax2 = ax.twinx()
     ax2.plot(xs, [p["slo_attainment"] or 0 for p in pts], color="C3", marker="x",
-             label="SLO attainment")
-    ax2.axhline(goal, color="C3", ls="--", lw=0.8)
+             label="joint SLO attainment (right axis)")
+    ax2.axhline(goal, color="C3", ls="--", lw=1,
+                label=f"attainment goal {goal:g} (right axis)")
+    ax2.text(xs[0], goal, f" goal {goal:g}", color="C3", va="bottom", fontsize=8)
     ax2.set_ylim(0, 1.05)
-    ax2.set_ylabel("joint SLO attainment")
+    ax2.set_ylabel("joint SLO attainment", color="C3")
+    ax2.tick_params(axis="y", colors="C3")
     if capacity:
         ax.axvline(capacity, color="k", lw=0.8)
         ax.text(capacity, 0.02, f" capacity {capacity:.3g}", va="bottom",
                 transform=ax.get_xaxis_transform())
-    ax.legend(loc="upper left", fontsize=8)
-    ax2.legend(loc="lower right", fontsize=8)
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2,
+              fontsize=8)
     ax.grid(alpha=0.3)
-    ax.set_title("goodput vs offered load")
-    return _save(fig, out / "goodput_vs_load.png")
+    ax.set_title("goodput vs offered load (sweep)")
+    return fig
+
+
+def _goodput_single(point: dict[str, Any], goal: float) -> Any:
+    """One run: its three rates as bars, and its attainment against the goal on a
+    separate 0..1 axis."""
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(7.5, 4),
+                                  gridspec_kw={"width_ratios": [3, 1.4]})
+    names = ["offered", "achieved", "goodput"]
+    vals = [point["offered_rps"], point["achieved_rps"], point["goodput_rps"]]
+    bars = ax.bar(names, vals, color=["grey", "C0", "C2"])
+    ax.bar_label(bars, labels=[f"{v:.3g}" for v in vals], fontsize=9)
+    ax.set_ylabel("req/s")
+    ax.set_ylim(0, max(vals + [1e-9]) * 1.18)
+    ax.set_title("this run's rates (no sweep)")
+    ax.grid(alpha=0.3, axis="y")
+    att = point["slo_attainment"]
+    color = "C2" if att is not None and att >= goal else "C3"
+    bar = ax2.bar(["attainment"], [att or 0.0], color=color, width=0.5)
+    ax2.bar_label(bar, labels=["–" if att is None else f"{att:.1%}"], fontsize=9)
+    ax2.axhline(goal, color="k", ls="--", lw=1, label=f"goal {goal:g}")
+    ax2.set_ylim(0, 1.1)
+    ax2.set_ylabel("joint SLO attainment (share of arrivals)")
+    ax2.set_title("joint SLO attainment")
+    ax2.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), fontsize=8)
+    return fig
 
 
 def timeline(details: dict[str, Any], out: Path) -> Path:
@@ -115,7 +158,7 @@ def timeline(details: dict[str, Any], out: Path) -> Path:
         axes[1].text(0.5, 0.5, "no /metrics on the target", transform=axes[1].transAxes,
                      ha="center")
     fig.suptitle("timeline")
-    return _save(fig, out / "timeline.png")
+    return save_png(fig, out / "timeline.png")
 
 
 def outcomes(class_outcomes: dict[str, dict[str, int]], out: Path) -> Path:
@@ -129,4 +172,4 @@ def outcomes(class_outcomes: dict[str, dict[str, int]], out: Path) -> Path:
     ax.set_xlabel("arrivals in the measured window")
     ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.25))
     ax.set_title("outcomes per class")
-    return _save(fig, out / "outcomes.png")
+    return save_png(fig, out / "outcomes.png")

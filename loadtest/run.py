@@ -1,24 +1,34 @@
 """One measured run of a workload against a target, start to finish.
 
-calibrate prompts on the target -> draw the schedule -> send it open loop (progress bar,
-/metrics scraping) -> per-request metrics -> the report dicts. `sluice loadtest`, the
-sweep and `make capacity` all go through `measure_workload`.
+calibrate prompts on the target -> (read and count the dataset) -> draw the schedule ->
+send it, open or closed loop (progress bar, /metrics scraping) -> per-request metrics ->
+the report dicts. `sluice loadtest`, both sweeps and `make capacity` all go through
+`measure_workload`. An interrupted run (``stop`` set) still ends here: its report covers
+the requests that ended, over the time it ran, marked partial.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
+import dataclasses
+import json
 import secrets
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from loadtest.arrivals import schedule
-from loadtest.client import Record, Target, calibrate
+from loadtest.arrivals import Planned, cap_requests, requests_in_order, schedule
+from loadtest.client import Record, Target, calibrate, request_body
+from loadtest.dataset import Entry, prepare_dataset
 from loadtest.prompts import Calibration, PromptBook
-from loadtest.runner import RunResult, run_schedule
+from loadtest.runner import Drive, RunResult, run_closed, run_schedule
 from loadtest.stats import Measured
 from loadtest.summary import summarize
 from loadtest.workload import Workload
+
+EMPTY_WINDOW_S = 1e-3  # the window of a run that measured nothing (rates are then 0)
 
 
 @dataclass(slots=True)
@@ -31,7 +41,7 @@ class Measurement:
     sweep: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _progress(total: int, label: str) -> tuple[Any, Any]:
+def _progress(total: int | None, label: str) -> tuple[Any, Any]:
     """A rich progress bar (on stderr) and the per-request callback that advances it."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -54,38 +64,117 @@ def _progress(total: int, label: str) -> tuple[Any, Any]:
     return bar, done
 
 
+def _with_entries(plan: Planned, entries: list[Entry] | None) -> Planned:
+    """With a dataset, request i is entry i mod len: its counted input length, and its
+    reference answer's length when it has one."""
+    if not entries:
+        return plan
+    e = entries[plan.idx % len(entries)]
+    out = plan.output_tokens if e.output_tokens is None else e.output_tokens
+    return dataclasses.replace(plan, input_tokens=e.input_tokens, output_tokens=out)
+
+
+def _partial(w: Workload, result: RunResult) -> tuple[Workload, list[str]]:
+    """An interrupted run: keep the requests that ended, measure over the time it ran (no
+    window at all when it was stopped before ``warmup_s`` ended)."""
+    cut = max(0.0, result.interrupted_at or 0.0)
+    ended = [r for r in result.records if r.dispatched and r.done]
+    in_flight = sum(1 for r in result.records if r.dispatched and not r.done)
+    unsent = len(result.records) - len(ended) - in_flight
+    end = min(w.duration_s - w.cooldown_s, cut)
+    early = end <= w.warmup_s
+    if early:
+        end = w.warmup_s + EMPTY_WINDOW_S
+    eff = w.model_copy(update={"duration_s": end + w.cooldown_s})
+    result.records = [_remeasured(r, w.warmup_s, end) for r in ended]
+    note = (f"partial: interrupted {cut:.1f} s into the run; the report covers the "
+            f"{len(ended)} requests that ended ({in_flight} in flight were dropped"
+            + (f", {unsent} never sent" if unsent and w.concurrency is None else "") + ")")
+    if early:
+        note += f"; before warmup_s ({w.warmup_s:g} s) ended, so nothing was measured"
+    return eff, [note]
+
+
+def _remeasured(rec: Record, w0: float, w1: float) -> Record:
+    rec.plan = dataclasses.replace(rec.plan, measured=w0 <= rec.plan.t < w1)
+    return rec
+
+
 async def measure_workload(w: Workload, base_url: str, key: str | None, *,
                            timeout_s: float = 60.0, scrape: list[str] | None = None,
                            progress: bool = True, label: str = "",
                            calibration: tuple[Calibration, bool] | None = None,
                            capacity_rps: float | None = None,
                            prompt_salt: int | None = None,
-                           scrape_key: str | None = None) -> Measurement:
+                           scrape_key: str | None = None,
+                           dataset: tuple[list[Entry], dict[str, Any]] | None = None,
+                           dataset_dir: Path = Path("."),
+                           stop: asyncio.Event | None = None) -> Measurement:
     """Run ``w`` once against ``base_url``. Prompts are new for every run (a random salt)
     unless ``prompt_salt`` pins them. ``scrape_key`` is the bearer key sent to the
-    ``scrape`` URLs (a bundled backend's /metrics needs its API key), not to the target."""
+    ``scrape`` URLs (a bundled backend's /metrics needs its API key), not to the target.
+    ``dataset``: the prepared entries of ``w.dataset`` (prepared here, relative to
+    ``dataset_dir``, when not given). ``stop`` set: the run ends early, marked partial."""
     base_url = base_url.rstrip("/").removesuffix("/v1")
+    w = cap_requests(w)
     cal, continuous = calibration or await calibrate(base_url, key, w)
+    if dataset is None and w.dataset is not None:
+        dataset = await prepare_dataset(w.dataset, api=w.api, seed=w.seed, base_url=base_url,
+                                        key=key, model=w.model, base_dir=dataset_dir)
+    entries = dataset[0] if dataset else None
     target = Target(base_url, key, timeout_s, continuous)
-    plan = schedule(w)
     salt = secrets.randbits(48) if prompt_salt is None else prompt_salt
     prompts = PromptBook(cal, w.seed, {g.name: g.tokens for g in w.prefix_groups}, salt,
                          {g.name: g.count for g in w.prefix_groups})
-    keys = {c.name: c.api_key(key) for c in w.classes}
-    urls = [base_url] + [u for u in scrape or [] if u.rstrip("/") != base_url]
-    scrape_keys = {u: scrape_key for u in scrape or []} if scrape_key else None
-    if progress:
-        bar, done = _progress(len(plan), label or f"{w.name} @ {w.mean_rate():.3g} rps")
-        with bar:
-            result = await run_schedule(w, plan, target, prompts, keys, urls, done,
-                                        scrape_keys=scrape_keys)
+
+    def body_for(p: Planned) -> bytes:
+        entry = entries[p.idx % len(entries)] if entries else None
+        return json.dumps(request_body(w, p, prompts, target, entry)).encode()
+
+    drive = Drive(w, target, body_for, {c.name: c.api_key(key) for c in w.classes},
+                  [base_url] + [u for u in scrape or [] if u.rstrip("/") != base_url],
+                  scrape_keys={u: scrape_key for u in scrape or []} if scrape_key else None,
+                  stop=stop)
+    if w.concurrency is None:
+        plan = [_with_entries(p, entries) for p in schedule(w)]
+        total: int | None = len(plan)
+        title = f"{w.name} @ {w.mean_rate():.3g} rps"
     else:
-        result = await run_schedule(w, plan, target, prompts, keys, urls,
-                                    scrape_keys=scrape_keys)
-    report, details, ms = summarize(w, result, capacity_rps)
+        total, title = w.requests, f"{w.name}, {w.concurrency} concurrent"
+    shown: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if progress:
+        shown, drive.on_done = _progress(total, label or title)
+    with shown:
+        if w.concurrency is None:
+            result = await run_schedule(drive, plan)
+        else:
+            result = await run_closed(drive, (_with_entries(p, entries)
+                                              for p in requests_in_order(w)))
+    eff, notes = w, list[str]()
+    if w.concurrency is not None and result.wall_s < w.duration_s \
+            and result.interrupted_at is None:
+        # the request cap ended the run early: rates divide by the time it ran
+        end = result.wall_s
+        if end - w.cooldown_s <= w.warmup_s:
+            notes.append(f"the request cap ended the run after {end:.2f} s, before "
+                         f"warmup_s + cooldown_s ({w.warmup_s + w.cooldown_s:g} s): "
+                         f"nothing was measured")
+            end = w.warmup_s + w.cooldown_s + EMPTY_WINDOW_S
+        eff = w.model_copy(update={"duration_s": end})
+        result.records = [_remeasured(r, eff.warmup_s, end - eff.cooldown_s)
+                          for r in result.records]
+    if result.interrupted_at is not None:
+        eff, notes = _partial(eff, result)
+    report, details, ms = summarize(eff, result, capacity_rps)
+    report["notes"][:0] = notes
+    if result.interrupted_at is not None:
+        report["partial"] = True
+    details["mode"] = w.mode()
     details["calibration"] = {"per_word_tokens": round(cal.per_word, 4),
                               "overhead_tokens": round(cal.overhead, 2),
                               "continuous_usage": continuous}
+    if dataset is not None:
+        details["dataset"] = dataset[1]
     details["target"] = base_url
     details["prompt_salt"] = salt
     return Measurement(report, details, ms, result, cal)

@@ -4,7 +4,13 @@ Invariants: every arrival gets exactly one outcome (OUTCOMES); latencies are mea
 the moment the client sent the request; TPOT is (t_last - t_first)/(N_out - 1) and absent
 for single-token answers; ITL gives every output token after the first one value, and a
 chunk of n tokens that arrived g seconds after the previous one gives n values of g/n, so
-sum(ITL) = t_last - t_first and mean(ITL) = TPOT.
+sum(ITL) = t_last - t_first and mean(ITL) = TPOT. ICL (inter-chunk latency) gives every
+content event after the first one value, the gap since the previous one, whatever its token
+count: ITL and ICL agree only when every event carries one token.
+
+Statistics (``describe``): n, mean, std, min, percentiles and max of a list of values. std
+is the sample standard deviation (ddof=1; 0.0 for one value); percentiles are numpy's
+linear interpolation; every figure but n is None when there are no values.
 """
 
 from __future__ import annotations
@@ -20,6 +26,10 @@ from loadtest.workload import Slo
 OUTCOMES = ("success", "slo_miss", "rejected_429", "rejected_503", "timeout", "error",
             "cancelled")
 QUANTILES = {"p50": 50.0, "p95": 95.0, "p99": 99.0}
+PERCENTILES = {"p50": 50.0, "p90": 90.0, "p95": 95.0, "p99": 99.0, "p99.9": 99.9}
+STAT_KEYS = ("n", "mean", "std", "min", *PERCENTILES, "max")
+# the latency metrics of every report block, in the order the report shows them
+LATENCY_KEYS = ("ttft_ms", "tpot_ms", "itl_ms", "icl_ms", "e2e_ms", "queue_ms")
 
 
 @dataclass(slots=True, frozen=True)
@@ -28,7 +38,8 @@ class Measured:
 
     ttft_ms: float | None
     tpot_ms: float | None
-    itl_ms: tuple[float, ...]
+    itl_ms: tuple[float, ...]  # one per output token after the first
+    icl_ms: tuple[float, ...]  # one per content event after the first
     e2e_ms: float | None
     queue_ms: float | None
     output_tokens: int
@@ -79,6 +90,12 @@ def itl_values(events: list[tuple[float, int]]) -> list[float]:
     return out
 
 
+def icl_values(events: list[tuple[float, int]]) -> list[float]:
+    """Seconds between consecutive content events (those carrying >= 1 token)."""
+    seen = [t for t, n in events if n > 0]
+    return [t1 - t0 for t0, t1 in itertools.pairwise(seen)]
+
+
 def classify(rec: Record, m_ttft: float | None, m_tpot: float | None, m_e2e: float | None,
              slo: Slo) -> tuple[str, dict[str, bool]]:
     if rec.cancelled:
@@ -115,24 +132,42 @@ def measure(rec: Record, slo: Slo) -> Measured:
     outcome, ok = classify(rec, ttft, tpot, e2e, slo)
     return Measured(ttft, tpot if finished else None,
                     tuple(x * 1000 for x in itl_values(seen)) if finished else (),
+                    tuple(x * 1000 for x in icl_values(seen)) if finished else (),
                     e2e, rec.queue_ms, n_out, rec.prompt_tokens, outcome, ok, estimated)
 
 
 def quantiles(values: list[float]) -> dict[str, float | None]:
+    """P50/P95/P99 alone (for callers that need no more than those)."""
     if not values:
         return {k: None for k in QUANTILES}
     arr = np.asarray(values, dtype=float)
     return {k: round(float(np.percentile(arr, q)), 3) for k, q in QUANTILES.items()}
 
 
-def latency_block(ms: list[Measured]) -> dict[str, dict[str, float | None]]:
-    """P50/P95/P99 of TTFT, TPOT, ITL, E2E and queue time over ``ms``."""
+def describe(values: list[float]) -> dict[str, float | int | None]:
+    """{n, mean, std, min, p50, p90, p95, p99, p99.9, max}, rounded to 3 decimals."""
+    if not values:
+        return {"n": 0, **dict.fromkeys(STAT_KEYS[1:])}
+    arr = np.asarray(values, dtype=float)
+    std = float(np.std(arr, ddof=1)) if arr.size > 1 else 0.0
+    out: dict[str, float | int | None] = {
+        "n": int(arr.size), "mean": round(float(arr.mean()), 3), "std": round(std, 3),
+        "min": round(float(arr.min()), 3)}
+    pct = np.percentile(arr, list(PERCENTILES.values()))
+    out.update((k, round(float(v), 3)) for k, v in zip(PERCENTILES, pct, strict=True))
+    out["max"] = round(float(arr.max()), 3)
+    return out
+
+
+def latency_block(ms: list[Measured]) -> dict[str, dict[str, float | int | None]]:
+    """``describe`` of TTFT, TPOT, ITL, ICL, E2E and queue time over ``ms``."""
     return {
-        "ttft_ms": quantiles([m.ttft_ms for m in ms if m.ttft_ms is not None]),
-        "tpot_ms": quantiles([m.tpot_ms for m in ms if m.tpot_ms is not None]),
-        "itl_ms": quantiles([x for m in ms for x in m.itl_ms]),
-        "e2e_ms": quantiles([m.e2e_ms for m in ms if m.e2e_ms is not None]),
-        "queue_ms": quantiles([m.queue_ms for m in ms if m.queue_ms is not None]),
+        "ttft_ms": describe([m.ttft_ms for m in ms if m.ttft_ms is not None]),
+        "tpot_ms": describe([m.tpot_ms for m in ms if m.tpot_ms is not None]),
+        "itl_ms": describe([x for m in ms for x in m.itl_ms]),
+        "icl_ms": describe([x for m in ms for x in m.icl_ms]),
+        "e2e_ms": describe([m.e2e_ms for m in ms if m.e2e_ms is not None]),
+        "queue_ms": describe([m.queue_ms for m in ms if m.queue_ms is not None]),
     }
 
 

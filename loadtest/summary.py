@@ -6,13 +6,20 @@ length in schedule time, so offered_rps is exactly what the workload asked for.
 
 ``report.json`` holds exactly the keys the issue fixes (REPORT_KEYS); everything else the
 report shows (per tenant, per priority, per SLO, overall latencies, the timeline, the
-sweep curve) goes to ``details.json``.
+sweep curve, throughput, the prompt-sizing error) goes to ``details.json``.
+
+Prompt sizing is checked, not assumed: a server whose reported ``prompt_tokens`` stray
+more than CALIBRATION_LIMIT_PCT on average from what each prompt was sized for (say, one
+that reports a constant) gets a "prompt sizing unreliable" note. That says nothing about
+whether the client kept the schedule, so it leaves ``unreliable`` alone.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from typing import Any
+
+import numpy as np
 
 from loadtest.client import Record
 from loadtest.runner import RunResult, lag_p99
@@ -21,10 +28,12 @@ from loadtest.workload import Workload
 
 REPORT_KEYS = ("offered_rps", "achieved_rps", "goodput_rps", "slo_attainment", "duration_s",
                "outcomes", "classes", "cost_per_success", "capacity_rps", "unreliable",
-               "notes")
+               "partial", "notes")
 CLASS_KEYS = ("count", "goodput_rps", "slo_attainment", "ttft_ms", "tpot_ms", "itl_ms",
-              "e2e_ms", "queue_ms")
+              "icl_ms", "e2e_ms", "queue_ms")
 SERVED = ("success", "slo_miss")
+CALIBRATION_LIMIT_PCT = 10.0  # mean |prompt_tokens - planned| / planned past this: flagged
+CALIBRATION_NOTE = "prompt sizing unreliable:"
 
 
 def _rate(n: int, window_s: float) -> float:
@@ -72,6 +81,31 @@ def per_slo(ms: list[Measured]) -> dict[str, float | None]:
     return {name: round(sum(v) / len(v), 4) for name, v in sorted(hits.items())}
 
 
+def calibration_error(records: list[Record], ms: list[Measured]) -> dict[str, Any]:
+    """How far the prompts the server counted were from the sizes planned, in % of the
+    planned size, over the requests whose server reported ``prompt_tokens``."""
+    errs = [abs(m.prompt_tokens - r.plan.input_tokens) / r.plan.input_tokens * 100
+            for r, m in zip(records, ms, strict=True)
+            if m.prompt_tokens is not None and r.plan.input_tokens > 0]
+    if not errs:
+        return {"mean_abs_pct": None, "p90_abs_pct": None, "max_abs_pct": None, "n": 0}
+    arr = np.asarray(errs)
+    return {"mean_abs_pct": round(float(arr.mean()), 2),
+            "p90_abs_pct": round(float(np.percentile(arr, 90)), 2),
+            "max_abs_pct": round(float(arr.max()), 2), "n": len(errs)}
+
+
+def calibration_note(err: dict[str, Any]) -> str | None:
+    """The report note when prompt sizing was off by more than CALIBRATION_LIMIT_PCT."""
+    mean = err["mean_abs_pct"]
+    if mean is None or mean <= CALIBRATION_LIMIT_PCT:
+        return None
+    return (f"{CALIBRATION_NOTE} prompts were off by {mean:.1f}% on average from the "
+            f"requested input tokens (p90 {err['p90_abs_pct']:.1f}%, max "
+            f"{err['max_abs_pct']:.1f}% over {err['n']} requests); the target's reported "
+            f"prompt_tokens do not follow the prompts sent")
+
+
 def timeline(records: list[Record], ms: list[Measured], start: float, wall_s: float,
              ) -> list[dict[str, float]]:
     """Per second of the run: sent, served, succeeded, rejected, abandoned."""
@@ -94,6 +128,7 @@ def summarize(w: Workload, result: RunResult, capacity_rps: float | None = None,
               ) -> tuple[dict[str, Any], dict[str, Any], list[Measured]]:
     """(report.json, details.json, per-request metrics in record order)."""
     ms = [measure(r, w.class_named(r.plan.cls).slo) for r in result.records]
+    win_recs = [r for r in result.records if r.plan.measured]
     win = [m for r, m in zip(result.records, ms) if r.plan.measured]
     w0, w1 = w.window()
     window_s = w1 - w0
@@ -102,6 +137,10 @@ def summarize(w: Workload, result: RunResult, capacity_rps: float | None = None,
     if any(m.tokens_estimated for m in win):
         notes.append("tokens per chunk estimated from text length (the target sent no "
                      "running usage)")
+    cal_err = calibration_error(win_recs, win)
+    cal_note = calibration_note(cal_err)
+    if cal_note is not None:
+        notes.append(cal_note)
     report: dict[str, Any] = {
         "offered_rps": _rate(len(win), window_s),
         "achieved_rps": _rate(sum(counts[k] for k in SERVED), window_s),
@@ -113,6 +152,7 @@ def summarize(w: Workload, result: RunResult, capacity_rps: float | None = None,
         "cost_per_success": cost_per_success(w, win, window_s),
         "capacity_rps": capacity_rps,
         "unreliable": any(n.startswith("unreliable") for n in notes),
+        "partial": False,  # the command sets it for a run cut short
         "notes": notes,
     }
     by_class: dict[str, list[Measured]] = defaultdict(list)
@@ -135,6 +175,11 @@ def summarize(w: Workload, result: RunResult, capacity_rps: float | None = None,
         "workload": w.name, "seed": w.seed, "mean_rate": w.mean_rate(),
         "arrivals": len(result.records), "measured": len(win),
         "overall": latency_block(win),
+        "throughput": {"output_tokens_per_s": round(sum(m.output_tokens for m in served)
+                                                    / window_s, 3),
+                       "requests_per_s": report["achieved_rps"]},
+        "calibration_error": cal_err,
+        "calibration_unreliable": cal_note is not None,
         "output_tokens": {"mean": round(sum(m.output_tokens for m in served)
                                         / max(1, len(served)), 2)},
         "prompt_tokens": {"mean": round(sum(m.prompt_tokens or 0 for m in served)

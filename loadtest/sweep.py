@@ -10,6 +10,7 @@ failure if it is unreliable again: its numbers would describe the client, not th
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -20,6 +21,11 @@ BRACKET = 1.15  # stop bisecting when hi / lo is within this
 MAX_PROBES = 8
 
 Probe = Callable[[Workload, str], Awaitable[Measurement]]
+
+
+class _Stopped(Exception):
+    def __init__(self, m: Measurement) -> None:
+        self.m = m
 
 
 def point(m: Measurement) -> dict[str, Any]:
@@ -35,8 +41,10 @@ def passes(m: Measurement, goal: float) -> bool:
 
 
 async def find_capacity(w: Workload, probe: Probe, max_probes: int = MAX_PROBES,
+                        stop: asyncio.Event | None = None,
                         ) -> tuple[float | None, Measurement, list[dict[str, Any]]]:
-    """(capacity req/s or None, the measurement at capacity, the curve)."""
+    """(capacity req/s or None, the measurement at capacity, the curve). ``stop`` set
+    (Ctrl-C): no further probe; an interrupted probe is returned as it is, partial."""
     goal = w.slo_attainment_goal
     base = w.mean_rate()
     runs: dict[float, Measurement] = {}
@@ -44,27 +52,37 @@ async def find_capacity(w: Workload, probe: Probe, max_probes: int = MAX_PROBES,
     async def at(rate: float) -> bool:
         label = f"sweep {len(runs) + 1}/{max_probes} @ {rate:.3g} rps"
         m = await probe(w.scaled(rate / base), label)
+        if stop is not None and stop.is_set():
+            raise _Stopped(m)
         if m.report["unreliable"]:  # the client (or a busy machine) had a bad moment: once more
             m = await probe(w.scaled(rate / base), label + " (again: unreliable)")
+            if stop is not None and stop.is_set():
+                raise _Stopped(m)
         runs[rate] = m
         return passes(m, goal)
 
     lo: float | None = None
     hi: float | None = None
     rate = base
-    while len(runs) < max_probes and (lo is None or hi is None):
-        if await at(rate):
-            lo = rate
-            rate *= 2
-        else:
-            hi = rate
-            rate /= 2
-    while len(runs) < max_probes and lo is not None and hi is not None and hi / lo > BRACKET:
-        mid = (lo * hi) ** 0.5  # geometric: rates span orders of magnitude
-        if await at(mid):
-            lo = mid
-        else:
-            hi = mid
+    try:
+        while len(runs) < max_probes and (lo is None or hi is None):
+            if await at(rate):
+                lo = rate
+                rate *= 2
+            else:
+                hi = rate
+                rate /= 2
+        while len(runs) < max_probes and lo is not None and hi is not None \
+                and hi / lo > BRACKET:
+            mid = (lo * hi) ** 0.5  # geometric: rates span orders of magnitude
+            if await at(mid):
+                lo = mid
+            else:
+                hi = mid
+    except _Stopped as stopped:
+        curve = [{"rate": round(r, 4), **point(runs[r])} for r in sorted(runs)]
+        stopped.m.report["capacity_rps"] = None
+        return None, stopped.m, curve
     curve = [{"rate": round(r, 4), **point(runs[r])} for r in sorted(runs)]
     if lo is None:
         return None, runs[min(runs)], curve

@@ -20,6 +20,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from loadtest.dataset import DatasetSpec
+
 
 class WorkloadError(ValueError):
     """The workload file is missing, unreadable or invalid; the message names the field."""
@@ -168,6 +170,9 @@ class Cost(_Strict):
 class Workload(_Strict):
     name: str = "workload"
     seed: int = 0
+    # Open loop: arrivals follow `arrival` whatever the target does. Closed loop
+    # (`concurrency`): that many requests in flight, each sent when the one before it in its
+    # slot ended (plus `think_time_ms`). Exactly one of the two.
     duration_s: float = Field(gt=0)
     warmup_s: float = Field(0.0, ge=0)
     cooldown_s: float = Field(0.0, ge=0)
@@ -176,7 +181,11 @@ class Workload(_Strict):
     # Ask the server to generate exactly the drawn output length (vLLM and the bundled
     # backend honour it); set false for servers that refuse the field (OpenAI itself).
     ignore_eos: bool = True
-    arrival: Arrival
+    arrival: Arrival | None = None
+    concurrency: int | None = Field(None, ge=1, le=10_000)
+    think_time_ms: float = Field(0.0, ge=0)  # closed loop: pause between a slot's requests
+    requests: int | None = Field(None, ge=1)  # stop after this many (and at duration_s)
+    dataset: DatasetSpec | None = None  # real prompts instead of synthetic words
     classes: list[ClassSpec] = Field(min_length=1)
     prefix_groups: list[PrefixGroup] = []
     cost: Cost | None = None
@@ -184,6 +193,11 @@ class Workload(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> Workload:
+        if (self.arrival is None) == (self.concurrency is None):
+            raise ValueError("give exactly one of arrival (open loop) or concurrency "
+                             "(closed loop)")
+        if self.think_time_ms and self.concurrency is None:
+            raise ValueError("think_time_ms applies to closed loop (concurrency) only")
         if self.warmup_s + self.cooldown_s >= self.duration_s:
             raise ValueError("warmup_s + cooldown_s must be shorter than duration_s")
         names = [c.name for c in self.classes]
@@ -197,8 +211,11 @@ class Workload(_Strict):
         return self
 
     def mean_rate(self) -> float:
-        """Mean offered requests/s over ``duration_s``, whatever the arrival process."""
+        """Mean offered requests/s over ``duration_s``, whatever the arrival process (0 in
+        closed loop: the target's pace sets the rate)."""
         a = self.arrival
+        if a is None:
+            return 0.0
         if a.process == "piecewise":
             total, start = 0.0, 0.0
             for p in a.pieces or []:
@@ -212,6 +229,15 @@ class Workload(_Strict):
         if a.process == "replay":
             return sum(1 for r in a.rows if r.t < self.duration_s) / self.duration_s
         return float(a.rate or 0.0)
+
+    def mode(self) -> dict[str, object]:
+        """How the load is driven, for the report (details.json ``mode``)."""
+        if self.concurrency is not None:
+            return {"kind": "closed", "concurrency": self.concurrency,
+                    "think_time_ms": self.think_time_ms or None}
+        assert self.arrival is not None
+        return {"kind": "open", "rate": round(self.mean_rate(), 6),
+                "process": self.arrival.process}
 
     def class_named(self, name: str) -> ClassSpec:
         for c in self.classes:
@@ -229,6 +255,8 @@ class Workload(_Strict):
     def scaled(self, factor: float) -> Workload:
         """The same workload at ``factor`` times the offered rate (for the sweep)."""
         a = self.arrival
+        if a is None:
+            raise ValueError("a closed-loop workload has no rate to scale")
         update: dict[str, object] = {}
         if a.rate is not None:
             update["rate"] = a.rate * factor
@@ -270,7 +298,7 @@ def parse_workload(data: object, base: Path = Path(".")) -> Workload:
         w = Workload.model_validate(data)
     except ValidationError as exc:
         raise WorkloadError(_describe(exc)) from exc
-    if w.arrival.process == "replay" and w.arrival.trace:
+    if w.arrival is not None and w.arrival.process == "replay" and w.arrival.trace:
         trace = Path(w.arrival.trace)
         if not trace.is_absolute():
             trace = base / trace
@@ -282,6 +310,8 @@ def parse_workload(data: object, base: Path = Path(".")) -> Workload:
             if row.class_ is not None and row.class_ not in names:
                 raise WorkloadError(f"arrival.trace: unknown class {row.class_!r}")
         w = w.model_copy(update={"arrival": w.arrival.model_copy(update={"rows": rows})})
+    if w.arrival is None:
+        return w
     mean = w.mean_rate()
     if not math.isfinite(mean) or mean <= 0:
         raise WorkloadError("arrival: the mean rate must be positive")
@@ -291,13 +321,17 @@ def parse_workload(data: object, base: Path = Path(".")) -> Workload:
     return w
 
 
-def load_workload(path: str | Path) -> Workload:
-    """Read and validate a workload YAML file (WorkloadError names the bad field)."""
+def read_workload_data(path: str | Path) -> object:
+    """The workload file's YAML document, unvalidated (the CLI's overrides go on it)."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except OSError as exc:
         raise WorkloadError(f"cannot read {path}: {exc}") from exc
     except yaml.YAMLError as exc:
         raise WorkloadError(f"{path} is not valid YAML: {exc}") from exc
-    return parse_workload(data, path.parent)
+
+
+def load_workload(path: str | Path) -> Workload:
+    """Read and validate a workload YAML file (WorkloadError names the bad field)."""
+    return parse_workload(read_workload_data(path), Path(path).parent)

@@ -15,7 +15,9 @@ showing it.
 
 from __future__ import annotations
 
+import email.utils
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -60,6 +62,29 @@ def digits(raw: bytes | str | None, max_digits: int = MAX_HEADER_DIGITS) -> int 
     if not 0 < len(raw) <= max_digits or not raw.isdigit():  # bytes.isdigit: ASCII only
         return None
     return int(raw)
+
+
+def retry_after_s(headers: Mapping[str, str], default: float = 1.0, *,
+                  now: float | None = None, max_digits: int = 9) -> float:
+    """The wait a 429/503 asks for, in seconds: ``retry-after-ms`` (Sluice and OpenAI send
+    it), else ``retry-after`` as delta-seconds or an HTTP date (RFC 9110 10.2.3); ``default``
+    when none is usable. A date in the past is 0."""
+    ms = digits(headers.get("retry-after-ms"), max_digits)
+    if ms is not None:
+        return ms / 1000
+    raw = headers.get("retry-after")
+    seconds = digits(raw, max_digits)
+    if seconds is not None:
+        return float(seconds)
+    if not raw:
+        return default
+    try:
+        when = email.utils.parsedate_to_datetime(raw)
+    except (TypeError, ValueError):
+        return default
+    if when.tzinfo is None:  # not an IMF-fixdate (those name GMT)
+        return default
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
 def int_header(name: str, raw: bytes | str | None, *, minimum: int = 0,

@@ -1,6 +1,6 @@
 """The load client against a scripted server: what it measures is what the server did.
 
-The server (scripted_server.py, its own process) answers with a fixed TTFT, fixed gaps,
+The server (loadtest/scripted_server.py, its own process) answers with a fixed TTFT, fixed gaps,
 chunks of several tokens, and a known share of 429s and 503s, and logs when it really read
 each request and wrote each chunk, on the machine's monotonic clock, the one the client
 stamps with. Every check here is exact or causal, never a wall-clock tolerance: this
@@ -20,7 +20,11 @@ says nothing about the client's code. So:
 
 Abandonment never races the script either: the server sends an impatient request no token
 and a skimmer nothing past its 5th token until the client has left (``sk-hold-after-N``
-keys), so that which outcome each request gets does not depend on who ran late.
+keys), and never rejects a request with such a key (a 429 would race the patience), so
+that which outcome each request gets does not depend on who ran late. The SLOs of the
+classes that should meet them are twice the client's timeout: an answer that came back in
+time meets them however late either process ran. (Checked by pausing the server or the
+client with SIGSTOP for 0.6 s at random moments: the outcomes and every check still hold.)
 
 A wrong definition (one chunk = one token, timing from the schedule, stamping late) fails
 one of these on any machine, at any load.
@@ -44,15 +48,16 @@ from typing import Any
 import httpx
 import pytest
 
+from loadtest import scripted_server as script
 from loadtest.arrivals import Planned, schedule
 from loadtest.client import CANCEL_PATIENCE, CANCEL_TOKENS, Record, send_one
 from loadtest.run import measure_workload
 from loadtest.stats import OUTCOMES, Measured
 from loadtest.workload import Workload, parse_workload
 from tests.backend.server.conftest import free_port
-from tests.loadtest import scripted_server as script
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 10.0  # the client's, per request
 LOG_DEADLINE_S = 10.0  # a held stream's row lands when the server sees its client leave
 PATIENCE_MS = 500
 # perf_counter() values from two processes compare only on one system-wide clock
@@ -66,7 +71,7 @@ SLEEP_EPS_S = 1e-6  # float rounding of perf_counter() seconds around a sleep's 
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     port = free_port()
     log = tmp_path_factory.mktemp("scripted") / "writes.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "tests.loadtest.scripted_server", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "loadtest.scripted_server", str(port),
                              str(log)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
                             env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     try:
@@ -78,7 +83,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
 
 
 def workload() -> Workload:
-    slack = {"ttft_ms": 5000, "tpot_ms": 1000, "e2e_ms": 10000}
+    # met by any answer that beat the client's timeout, whoever ran late (see the top)
+    slack = dict.fromkeys(("ttft_ms", "tpot_ms", "e2e_ms"), 2 * TIMEOUT_S * 1000)
     one = {"buckets": [{"input": 40, "output": script.OUTPUT_TOKENS}]}
     return parse_workload({
         "name": "scripted", "seed": 3, "duration_s": 2.0, "model": "m",
@@ -91,8 +97,8 @@ def workload() -> Workload:
             # the client's send, which is before the server read the request)
             {"name": "tight", "share": 1, "slo": {"ttft_ms": 1}, "lengths": one,
              "tenant": "b", "priority": 5},
-            # the server sends them no token: every one is abandoned at its patience (long
-            # enough that a 429 or 503 for one of them always arrives before it)
+            # the server sends them no token and never rejects them: every one is abandoned
+            # at its patience
             {"name": "impatient", "share": 1, "slo": slack, "lengths": one, "tenant": "a",
              "key": script.HOLD_KEY + "0",
              "cancel": {"share": 1.0, "patience_ms": {"dist": "fixed", "median": PATIENCE_MS}}},
@@ -106,7 +112,7 @@ def workload() -> Workload:
 def expected_outcomes(w: Workload) -> dict[str, int]:
     counts = dict.fromkeys(OUTCOMES, 0)
     for p in schedule(w):
-        status = script.status_for(p.idx)
+        status = script.status_for(p.idx, w.class_named(p.cls).key or "")
         if status == 429:
             counts["rejected_429"] += 1
         elif status == 503:
@@ -168,18 +174,22 @@ def p50(values: list[float]) -> float:
 def test_metrics_match_the_script(server: tuple[str, Path]) -> None:
     url, log = server
     w = workload()
-    m = asyncio.run(measure_workload(w, url, "sk-x", timeout_s=10, progress=False))
+    m = asyncio.run(measure_workload(w, url, "sk-x", timeout_s=TIMEOUT_S, progress=False))
     report = m.report
     want = expected_outcomes(w)
     assert sum(want.values()) == 40
-    assert want["rejected_429"] == 4 and want["rejected_503"] == 4
+    assert want["rejected_429"] == 3 and want["rejected_503"] == 3
     assert report["outcomes"] == want
     assert m.details["calibration"]["continuous_usage"] is True
     assert abs(m.details["calibration"]["overhead_tokens"] - script.PROMPT_OVERHEAD) < 0.01
 
     pairs = list(zip(m.result.records, m.measured, strict=True))
-    streamed = [(r, x) for r, x in pairs if script.status_for(r.plan.idx) == 200]
-    rows = server_rows(log, {r.plan.idx for r, _ in streamed})
+    streamed = [(r, x) for r, x in pairs
+                if script.status_for(r.plan.idx, w.class_named(r.plan.cls).key or "") == 200]
+    # A client that gave up before its request was written in full (the trace hook never
+    # moved `sent` past `dispatched`: a client stalled past its patience) may leave no row.
+    written = [(r, x) for r, x in streamed if r.sent > r.dispatched]
+    rows = server_rows(log, {r.plan.idx for r, _ in written})
     served = [(r, x) for r, x in pairs if x.outcome in ("success", "slo_miss")]
     assert len(served) == want["success"] + want["slo_miss"]
     for rec, x in served:
@@ -218,13 +228,16 @@ def test_metrics_match_the_script(server: tuple[str, Path]) -> None:
         assert row["left_at"] is not None and rec.events[-1][0] < row["left_at"]
         assert x.ttft_ms == pytest.approx((rec.events[0][0] - rec.sent) * 1000, abs=EPS_MS)
     # the impatient got no token and left at their patience, before the server saw them go
+    # (if the server read the request only after that, a read or a write then finds it gone)
     impatient = [r for r, _ in streamed if r.plan.cls == "impatient"]
     assert impatient
     for rec in impatient:
-        row = rows[rec.plan.idx]
-        assert rec.cancelled == CANCEL_PATIENCE and not rec.events and not row["chunk_at"]
+        assert rec.cancelled == CANCEL_PATIENCE and not rec.events
         assert rec.done - rec.dispatched >= PATIENCE_MS / 1000 - SLEEP_EPS_S
-        assert rec.dispatched < row["read_at"] < row["left_at"]
+        if rec.sent > rec.dispatched:
+            row = rows[rec.plan.idx]
+            assert not row["chunk_at"]
+            assert rec.dispatched < row["read_at"] < row["left_at"]
 
     assert report["goodput_rps"] == round(want["success"] / 2.0, 4)
     assert report["offered_rps"] == 20.0

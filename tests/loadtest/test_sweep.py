@@ -58,3 +58,23 @@ def test_no_rate_meets_the_goal() -> None:
 
     capacity, _, curve = asyncio.run(find_capacity(workload(), probe, max_probes=4))
     assert capacity is None and len(curve) == 4
+
+
+def test_an_interrupt_ends_the_sweep_with_the_partial_probe() -> None:
+    # the stop comes during the repeat of an unreliable probe at 4 rps: no further probe
+    # starts, and that (partial) probe is what the sweep returns
+    stop = asyncio.Event()
+    inner, seen = fake(unreliable_once_at=4.0)
+
+    async def probe(w: Workload, label: str) -> Any:
+        m = await inner(w, label)
+        if len(seen) == 3:  # 2.0, 4.0 (unreliable), 4.0 again
+            stop.set()
+            m.report["partial"] = True
+        return m
+
+    capacity, m, curve = asyncio.run(find_capacity(workload(), probe, max_probes=10,
+                                                   stop=stop))
+    assert seen == [2.0, 4.0, 4.0] and capacity is None
+    assert m.report["partial"] is True and m.report["offered_rps"] == 4.0
+    assert [p["offered_rps"] for p in curve] == [2.0]  # the finished probes only
