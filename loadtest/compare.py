@@ -257,6 +257,9 @@ def _info(run: Run) -> RunInfo:
                    bool(r.get("partial")), tuple(str(n) for n in r.get("notes") or ()))
 
 
+FEW_REQUESTS = 50  # fewer measured requests than this: the percentile intervals are too narrow
+
+
 def comparability(a: Run, b: Run) -> list[str]:
     """Why A and B might not be a fair A/B (empty when nothing is known to differ)."""
     out = []
@@ -277,6 +280,12 @@ def comparability(a: Run, b: Run) -> list[str]:
     if isinstance(oa, int | float) and isinstance(ob, int | float) and oa > 0 \
             and abs(ob - oa) > 0.05 * oa:
         out.append(f"offered rates more than 5% apart: A {oa:.4g} rps, B {ob:.4g} rps")
+    for side, run in (("A", a), ("B", b)):
+        n = sum(1 for r in run.rows if r.get("measured"))
+        if n < FEW_REQUESTS:
+            out.append(f"run {side} measured only {n} requests: a bootstrap interval of a "
+                       f"percentile (p90, p99 above all) is too narrow on so few; take the "
+                       f"verdicts as hints")
     ca = {r["class"] for r in a.rows}
     cb = {r["class"] for r in b.rows}
     for name in sorted(ca ^ cb):

@@ -201,7 +201,10 @@ def test_warns_when_the_runs_are_not_comparable(tmp_path: Path) -> None:
                    "different workload", "different seed", "more than 5% apart",
                    "class 'extra' only in run B"):
         assert phrase in text
-    assert "different mode" not in text
+    assert "different mode" not in text and "measured only" not in text
+    few = write_run(tmp_path / "few", make_rows(20, seed=3))
+    text = "\n".join(compare_runs(a, few, resamples=200).warnings)
+    assert "run B measured only" in text and "run A measured only" not in text
     extra = find(compare_runs(a, b, resamples=200), "ttft_ms", "p50", group="extra")
     assert extra.a is None and extra.verdict == "n/a"
 
