@@ -39,7 +39,7 @@ test: $(STAMP)
 	@command -v nginx >/dev/null 2>&1 || test -x /usr/sbin/nginx || { \
 		echo "installing nginx (tests/deploy)"; \
 		apt-get update -qq && apt-get install -y -qq nginx >/dev/null; }
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # Checked types and lint (configured in pyproject.toml); .ci/run runs both.
 lint: $(STAMP)

@@ -11,7 +11,9 @@ Who may do what:
 
 Every write goes to the tenant store in one atomic step; this replica then reloads at once,
 the others within ``admin.poll_interval_s`` (``registry.py``). Reads come from the store,
-so they see every replica's writes.
+so they see every replica's writes. The two lists are paged by cursor (``paging.py``): a
+page reads the store's version (one GET) and the whole store only when that version is not
+the one last indexed (``Listing``), so walking 10,000 tenants costs one read of the store.
 
 Validation (limits in ``tenant_config.py``, docs/admin.md#limits): a body is parsed strictly
 (``protocol.http``: UTF-8, no lone surrogates, at most 64 levels deep) and a record is
@@ -51,7 +53,9 @@ from policies.tenant_store import (
     NoSuchKey,
     NoSuchTenant,
     Record,
+    Snapshot,
     TenantExists,
+    TenantStore,
 )
 from protocol.http import LimitedBody, error_response, parse_json_object
 
@@ -64,6 +68,7 @@ from .errors import (
     PermissionDenied,
     ServiceUnavailable,
 )
+from .paging import page, page_query
 from .registry import Registry, tenant_record
 from .tenant_config import describe
 from .tenants import bearer_key, hash_key
@@ -174,6 +179,7 @@ class AdminApi:
     def __init__(self, env: Mapping[str, str]) -> None:
         key = env.get(ADMIN_KEY_ENV, "")
         self._operator = hashlib.sha256(key.encode()).digest() if key else None
+        self._listed: Listing | None = None  # the last store version indexed for lists
 
     def routes(self) -> list[Route]:
         t = PREFIX + "/tenants"
@@ -218,14 +224,22 @@ class AdminApi:
             return Principal(tenant.id)
         raise AuthenticationFailed("incorrect admin key provided")
 
+    async def _listing(self, store: TenantStore) -> Listing:
+        """The store's current version, indexed for paging: one GET of the version per page,
+        the whole store read and indexed only when the version moved since the last list."""
+        listed = self._listed
+        if listed is None or listed.store is not store or listed.version != await store.version():
+            listed = self._listed = Listing.of(store, await store.snapshot())
+        return listed
+
     # ---- tenants --------------------------------------------------------------------------
     async def list_tenants(self, request: Request, who: Principal) -> Response:
-        snap = await _registry(request).store.snapshot()
-        for rid in snap.unreadable:
-            log.warning("tenant store: record %r cannot be read; left out", rid)
-        shown = (_listed(tid, r) for tid, r in sorted(snap.tenants.items())
-                 if who.tenant is None or who.tenant == tid)
-        return JSONResponse({"object": "list", "data": [r for r in shown if r is not None]})
+        query = page_query(request.query_params.multi_items(), "tenants")
+        listing = await self._listing(_registry(request).store)
+        ids = listing.tenant_ids if who.tenant is None else (
+            [who.tenant] if who.tenant in listing.tenants else [])
+        return JSONResponse(page("tenants", query, ids, _tenant_position,
+                                 lambda tid: _listed(tid, listing.tenants[tid])).body())
 
     async def create_tenant(self, request: Request, who: Principal) -> Response:
         who.require_operator("create tenants")
@@ -284,13 +298,12 @@ class AdminApi:
     async def list_keys(self, request: Request, who: Principal) -> Response:
         tid = request.path_params["tenant"]
         who.require_tenant(tid)
-        snap = await _registry(request).store.snapshot()
-        if tid not in snap.tenants:
+        query = page_query(request.query_params.multi_items(), "keys")
+        listing = await self._listing(_registry(request).store)
+        if tid not in listing.tenants:
             raise NotFound(f"no tenant {tid!r}", "tenant")
-        keys = sorted((k for k in snap.keys.values() if k.tenant == tid and _key_id_ok(k)),
-                      key=lambda k: (k.created, k.id))
-        return JSONResponse({"object": "list", "data": [
-            {"id": k.id, "role": k.role, "created": k.created} for k in keys]})
+        return JSONResponse(page("keys", query, listing.keys.get(tid, []), _key_position,
+                                 _key_shown).body())
 
     async def create_key(self, request: Request, who: Principal) -> Response:
         tid = request.path_params["tenant"]
@@ -359,6 +372,46 @@ async def _existing(registry: Registry, tid: str) -> Record:
     if record is None:
         raise NotFound(f"no tenant {tid!r}", "tenant")
     return record
+
+
+@dataclass(slots=True, frozen=True)
+class Listing:
+    """One version of the tenant store, sorted for paging; built whole, never changed.
+
+    A version names one content of the store: every write bumps it, and a store that lost
+    its data starts again from Redis TIME in µs (``tenants_lib.lua``), never at an old
+    number, so a listing is reused for as long as the store's version is its own.
+    """
+
+    store: TenantStore
+    version: int
+    tenants: dict[str, Record]  # as stored; validated page by page (``_listed``)
+    tenant_ids: list[str]  # sorted
+    keys: dict[str, list[KeyRecord]]  # by tenant, sorted by (created, id)
+
+    @classmethod
+    def of(cls, store: TenantStore, snap: Snapshot) -> Listing:
+        for rid in snap.unreadable:
+            log.warning("tenant store: record %r cannot be read; left out", rid)
+        keys: dict[str, list[KeyRecord]] = {}
+        for key in snap.keys.values():
+            if _key_id_ok(key):
+                keys.setdefault(key.tenant, []).append(key)
+        for listed in keys.values():
+            listed.sort(key=_key_position)
+        return cls(store, snap.version, snap.tenants, sorted(snap.tenants), keys)
+
+
+def _tenant_position(tid: str) -> tuple[str]:
+    return (tid,)
+
+
+def _key_position(key: KeyRecord) -> tuple[int, str]:
+    return (key.created, key.id)
+
+
+def _key_shown(key: KeyRecord) -> Record:
+    return {"id": key.id, "role": key.role, "created": key.created}
 
 
 def _key_id_ok(key: KeyRecord) -> bool:

@@ -1,6 +1,7 @@
 """`sluice tenants …`: the admin API from the command line (httpx); prints JSON.
 
-    sluice tenants list | get ID | delete ID | keys ID | usage ID
+    sluice tenants list [--limit N] [--cursor C] | keys ID [--limit N] [--cursor C]
+    sluice tenants get ID | delete ID | usage ID
     sluice tenants create ID [--name N] [--models a,b] [--tpm N] [--rpm N] [--tpd N]
                              [--tpm-month N] [--max-concurrency N] [--max-queued N]
                              [--priority-default N --priority-min N --priority-max N]
@@ -11,7 +12,9 @@
 
 ``--url`` (env SLUICE_URL, default http://127.0.0.1:8000) and ``--admin-key`` (env
 SLUICE_ADMIN_KEY) go before or after the action. Exit status 0 on success; 1 with the
-API's error message on stderr when the gateway refuses; 2 for a usage error.
+API's error message on stderr when the gateway refuses; 2 for a usage error. ``list`` and
+``keys`` follow ``next_cursor`` through every page and print one list, unless ``--limit`` or
+``--cursor`` asks for one page, printed as the API answers it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from typing import Any
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 UNLIMITED = "unlimited"
+MAX_LIMIT = 1000  # the most a page of the admin API holds (gateway/paging.py)
+WALK_LIMIT = MAX_LIMIT  # the page size when following every page
 _CLEAR = object()  # a limit to remove (PATCH null)
 
 # flag -> (section, field)
@@ -128,6 +133,46 @@ def _request(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None]
     return "GET", f"{t}/{args.id}/usage", None
 
 
+class _Refused(Exception):
+    """The gateway answered an error (or could not be reached)."""
+
+
+def _answer(resp: Any) -> Any:
+    """The JSON of an httpx response; _Refused with the API's message for an error."""
+    try:
+        out = resp.json()
+    except ValueError:
+        out = {"error": {"message": resp.text.strip() or resp.reason_phrase}}
+    if resp.status_code >= 400:
+        err = out.get("error") if isinstance(out, dict) else None
+        message = err.get("message") if isinstance(err, dict) else resp.text
+        raise _Refused(f"{resp.status_code}: {message}")
+    return out
+
+
+def walk(get_page: Callable[[dict[str, str]], Any]) -> Any:
+    """Every item of a paged list, following ``next_cursor`` from the first page to the last,
+    as one list in the API's shape (``has_more`` false). An answer that is not a paged list
+    (a gateway from before paging) is returned as it is."""
+    params = {"limit": str(WALK_LIMIT)}
+    data: list[Any] = []
+    while True:
+        out = get_page(params)
+        if not isinstance(out, dict) or not isinstance(out.get("data"), list):
+            return out
+        data.extend(out["data"])
+        cursor = out.get("next_cursor")
+        if out.get("has_more") is not True or not isinstance(cursor, str) \
+                or cursor == params.get("cursor"):  # a cursor that does not move: stop
+            break
+        params = {"limit": str(WALK_LIMIT), "cursor": cursor}
+
+    def item_id(i: int) -> Any:
+        return data[i].get("id") if data and isinstance(data[i], dict) else None
+    return {"object": "list", "data": data, "has_more": False, "first_id": item_id(0),
+            "last_id": item_id(-1), "next_cursor": None}
+
+
 def run(args: argparse.Namespace) -> int:
     import httpx
 
@@ -137,23 +182,42 @@ def run(args: argparse.Namespace) -> int:
         print("sluice tenants: give --admin-key or set SLUICE_ADMIN_KEY", file=sys.stderr)
         return 2
     method, path, body = _request(args)
+    one_page = {name: str(value) for name in ("limit", "cursor")
+                if (value := getattr(args, name, None)) is not None}
     try:
-        resp = httpx.request(method, url + path, json=body, timeout=args.timeout,
-                             headers={"authorization": f"Bearer {key}"})
+        with httpx.Client(timeout=args.timeout,
+                          headers={"authorization": f"Bearer {key}"}) as client:
+            def get_page(params: dict[str, str]) -> Any:
+                return _answer(client.get(url + path, params=params))
+
+            if args.action not in ("list", "keys"):
+                out = _answer(client.request(method, url + path, json=body))
+            elif one_page:
+                out = get_page(one_page)
+            else:
+                out = walk(get_page)
     except httpx.HTTPError as exc:
         print(f"sluice tenants: cannot reach {url}: {exc}", file=sys.stderr)
         return 1
-    try:
-        out = resp.json()
-    except ValueError:
-        out = {"error": {"message": resp.text.strip() or resp.reason_phrase}}
-    if resp.status_code >= 400:
-        err = out.get("error") if isinstance(out, dict) else None
-        message = err.get("message") if isinstance(err, dict) else resp.text
-        print(f"sluice tenants: {resp.status_code}: {message}", file=sys.stderr)
+    except _Refused as exc:
+        print(f"sluice tenants: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(out, indent=2, sort_keys=True))
     return 0
+
+
+def _page_size(text: str) -> int:
+    """An argparse type: a page size the admin API takes, 1 to MAX_LIMIT."""
+    if text.isascii() and text.isdigit() and len(text) <= 4 and 1 <= int(text) <= MAX_LIMIT:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected a whole number from 1 to {MAX_LIMIT}, "
+                                     f"got {text!r}")
+
+
+def _page_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--limit", type=_page_size, help="print one page of this many (1 to 1000) "
+                   "instead of every page")
+    p.add_argument("--cursor", help="print the page after this next_cursor")
 
 
 def _connection_flags(p: argparse.ArgumentParser, default: Any) -> None:
@@ -180,12 +244,12 @@ def register(sub: Any) -> None:
             p.add_argument(ident)
         return p
 
-    action("list", "list tenants")
+    _page_flags(action("list", "list tenants (every page, unless --limit or --cursor)"))
     action("get", "show a tenant", "id")
     _policy_flags(action("create", "create a tenant (omitted limits: unlimited)", "id"))
     _policy_flags(action("update", "change a tenant (only the fields given)", "id"))
     action("delete", "delete a tenant and its keys", "id")
-    action("keys", "list a tenant's keys (ids and roles, never the keys)", "id")
+    _page_flags(action("keys", "list a tenant's keys (ids and roles, never the keys)", "id"))
     add_key = action("add-key", "make a key; it is printed once, never stored", "id")
     add_key.add_argument("--role", choices=["user", "tenant_admin"], default="user")
     action("delete-key", "delete a key", "id", "key_id")

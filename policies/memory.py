@@ -4,12 +4,14 @@ Atomicity: no method awaits between reading and writing state, so on one event l
 call is one atomic step, as a Lua script is in Redis. Not thread-safe. The clock is
 injected (epoch seconds; tests pass a fake one); the calendar periods are UTC days and
 months of that clock. Semantics are those of `policies.store` and of `lua/*.lua`, which
-this module mirrors function for function (refill, sweep, close, prune).
+this module mirrors function for function (refill, sweep, close, prune), the sweep's bound
+(SWEEP_LIMIT) included, so that both stores leave the same backlog after the same calls.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -28,6 +30,10 @@ from policies.quotas import (
     RateHeaders,
 )
 from policies.store import DuplicateRequest, Usage, check_tenant, check_tokens, ttl_us
+
+#: Expired reservations released, and closed ids forgotten, per call at most (lua/lib.lua's
+#: SWEEP_LIMIT): a backlog drains over successive calls.
+SWEEP_LIMIT = 64
 
 
 @dataclass(slots=True)
@@ -85,11 +91,11 @@ class MemoryStore:
         ttl = ttl_us(lease_ttl_s)
         now = self._now()
         t = self._tenants.setdefault(tenant, _Tenant())
-        _release_expired(t, now)
+        _sweep(t, now)
         p = periods(now)
         if t.day != p.day:
             _prune(t, p)
-        if request_id in t.open or request_id in t.closed:
+        if request_id in t.open or t.closed.get(request_id, 0) > now:  # due: forgotten
             raise DuplicateRequest(f"request {request_id!r} of {tenant!r} was reserved before")
         tcap, rcap = quotas.tokens_per_minute, quotas.requests_per_minute
         tpm = None if tcap is None else _level(t, "tpm", tcap, now)
@@ -109,7 +115,7 @@ class MemoryStore:
             if limit is not None and period.reserved + period.used + tokens > limit:
                 denials.append((name, None if tokens > limit else end_us - now))
         cmax = quotas.max_concurrency
-        if cmax is not None and len(t.open) >= cmax:
+        if cmax is not None and _live_leases(t, now) >= cmax:
             denials.append((MAX_CONCURRENCY, _slot_wait(t, now) if cmax > 0 else None))
         denials = [(name, wait) for name, wait in denials if wait != 0]
 
@@ -134,7 +140,7 @@ class MemoryStore:
     async def renew(self, tenant: str, request_id: str, lease_ttl_s: float) -> bool:
         ttl = ttl_us(lease_ttl_s)
         t, now = self._find(tenant)
-        r = t.open.get(request_id) if t else None
+        r = _live(t, request_id, now) if t else None
         if t is None or r is None:
             return False
         r.expires_us = now + ttl
@@ -144,7 +150,7 @@ class MemoryStore:
     async def settle(self, tenant: str, request_id: str, actual_tokens: int) -> bool:
         check_tokens(actual_tokens)
         t, now = self._find(tenant)
-        r = t.open.get(request_id) if t else None
+        r = _live(t, request_id, now) if t else None
         if t is None or r is None:
             return False
         if r.tpm_cap is not None:
@@ -155,7 +161,7 @@ class MemoryStore:
             t.buckets["tpm"] = _Bucket(level, now, cap)
         if actual_tokens > 0:  # a request that never ran says nothing of how long they run
             t.hold_est = hold.observe(t.hold_est, now - r.started_us)
-        _close(t, request_id, actual_tokens, max(r.expires_us, now) + DAY_US)
+        _close(t, request_id, actual_tokens, r.expires_us + DAY_US)  # live: expiry > now
         return True
 
     async def usage(self, tenant: str) -> Usage:
@@ -172,12 +178,12 @@ class MemoryStore:
         return {"reserved": reserved,
                 "settled": {"day": day.used, "month": month.used},
                 "requests": {"day": day.requests},
-                "concurrency": len(t.open),
+                "concurrency": _live_leases(t, now),
                 "rejects": dict(day.rejects)}
 
     async def concurrency(self, tenant: str) -> int:
-        t, _ = self._find(tenant)
-        return len(t.open) if t else 0
+        t, now = self._find(tenant)
+        return _live_leases(t, now) if t else 0
 
     async def ping(self) -> None:
         return None
@@ -194,7 +200,7 @@ class MemoryStore:
         now = self._now()
         t = self._tenants.get(tenant)
         if t is not None:
-            _release_expired(t, now)
+            _sweep(t, now)
         return t, now
 
 
@@ -228,34 +234,73 @@ def _close(t: _Tenant, request_id: str, actual: int | None, forget_at: int) -> N
     heapq.heappush(t.forget, (forget_at, request_id))
 
 
-def _live(t: _Tenant, entry: tuple[int, str]) -> bool:
+def _current(t: _Tenant, entry: tuple[int, str]) -> bool:
+    """Whether a heap entry is its open reservation's expiry (else renewed or closed)."""
     r = t.open.get(entry[1])
     return r is not None and r.expires_us == entry[0]
 
 
-def _first_expiry(t: _Tenant) -> int:
-    """The earliest expiry of a live lease (there is one: the caller counted them)."""
-    while not _live(t, t.expiry[0]):
+def _next_expiry(t: _Tenant) -> int | None:
+    """The earliest expiry of an open reservation, expired or not; None if none is open."""
+    while t.expiry and not _current(t, t.expiry[0]):
         heapq.heappop(t.expiry)
-    return t.expiry[0][0]
+    return t.expiry[0][0] if t.expiry else None
+
+
+def _backlog(t: _Tenant, now: int) -> bool:
+    """Whether expired reservations are still open (the sweep stopped at its limit)."""
+    first = _next_expiry(t)
+    return first is not None and first <= now
+
+
+def _live(t: _Tenant, request_id: str, now: int) -> _Reservation | None:
+    """The reservation if its lease is live; one expired but not swept yet is released here,
+    as the sweep would have (lib.lua's live_expiry)."""
+    r = t.open.get(request_id)
+    if r is None or r.expires_us > now:
+        return r
+    _close(t, request_id, None, now + DAY_US)
+    return None
+
+
+def _live_leases(t: _Tenant, now: int) -> int:
+    """Unexpired leases: every open one, unless the sweep left a backlog to skip."""
+    if not _backlog(t, now):
+        return len(t.open)
+    return sum(r.expires_us > now for r in t.open.values())
 
 
 def _slot_wait(t: _Tenant, now: int) -> int:
     """The predicted wait for one of the tenant's slots (policies/hold.py), at most the
-    earliest lease expiry."""
-    oldest = next(iter(t.open.values()))
-    return hold.wait_us(t.hold_est, now - oldest.started_us, _first_expiry(t) - now)
+    earliest live lease expiry (there is a live lease: the caller counted them)."""
+    first = _next_expiry(t)
+    if first is None or first <= now:  # a backlog: the earliest expiry still to come
+        first = min(r.expires_us for r in t.open.values() if r.expires_us > now)
+    # The oldest live lease among the SWEEP_LIMIT oldest (`open` is in reservation order);
+    # age 0 (unknown) if those all expired, as lib.lua's oldest_live_age.
+    oldest = next((r for r in itertools.islice(t.open.values(), SWEEP_LIMIT)
+                   if r.expires_us > now), None)
+    age = 0 if oldest is None else now - oldest.started_us
+    return hold.wait_us(t.hold_est, age, first - now)
 
 
-def _release_expired(t: _Tenant, now: int) -> None:
-    while t.expiry and t.expiry[0][0] <= now:
+def _sweep(t: _Tenant, now: int) -> None:
+    """Release expired reservations (earliest expiry first) and forget closed ids past
+    their time (earliest first), at most SWEEP_LIMIT of each: lib.lua's sweep. Stale heap
+    entries (renewed, closed, closed again) are dropped on the way without counting: they
+    have no counterpart in Redis's ZSETs."""
+    released = 0
+    while released < SWEEP_LIMIT and t.expiry and t.expiry[0][0] <= now:
         entry = heapq.heappop(t.expiry)
-        if _live(t, entry):
+        if _current(t, entry):
             _close(t, entry[1], None, now + DAY_US)
-    while t.forget and t.forget[0][0] <= now:
+            released += 1
+    forgotten = 0
+    while forgotten < SWEEP_LIMIT and t.forget and t.forget[0][0] <= now:
         forget_at, rid = heapq.heappop(t.forget)
         if t.closed.get(rid) == forget_at:
             del t.closed[rid]
+            forgotten += 1
 
 
 def _prune(t: _Tenant, p: Periods) -> None:

@@ -16,7 +16,7 @@ one tenant's keys share a slot, and every script declares all six in KEYS:
                                   hold_mean hold_dev  µs a request holds its lease,
                                                 smoothed (policies/hold.py)
                                   TTL: 40 days past the last write
-    sluice:{alpha}:leases   ZSET  request id -> expiry µs  (live leases = concurrency)
+    sluice:{alpha}:leases   ZSET  request id -> expiry µs  (expiry > now: live; = concurrency)
     sluice:{alpha}:starts   ZSET  request id -> reserved-at µs, of each live lease (the
                                   oldest predicts a max_concurrency wait)
     sluice:{alpha}:resv     HASH  request id -> "tokens day month tpm_cap"

@@ -11,8 +11,10 @@ Invariants both implementations keep (one shared test suite checks them):
   and month reserved counters, one concurrency lease, the reservation record) or, when any
   limit denies, nothing at all, counting the reject by reason.
 - A reservation and its lease are one record, alive until now >= expiry (lease TTL,
-  extended by renew()). Every call first *releases* a tenant's expired reservations: a dead
-  replica cannot report usage, so their reserved tokens become used at their worst case.
+  extended by renew()). Every call first *releases* up to SWEEP_LIMIT (64) of a tenant's
+  expired reservations, oldest first (a dead replica's backlog drains over later calls); an
+  expired lease never counts as live meanwhile. A dead replica cannot report usage, so
+  their reserved tokens become used at their worst case.
 - settle() is idempotent by request id: the first call refunds (reserved - actual) to the
   TPM bucket (capped at capacity; a negative refund charges the extra), moves the day and
   month counters of the reservation's own periods from reserved to used, and releases the

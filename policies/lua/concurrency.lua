@@ -1,3 +1,4 @@
 -- concurrency.lua: live leases, after releasing expired ones (after lib.lua).
-sweep(now_us())
-return redis.call('ZCARD', K_LEASES)
+local now = now_us()
+sweep(now)
+return live_leases(now)

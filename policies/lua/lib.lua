@@ -131,20 +131,65 @@ local function close(rid, rec, actual, forget_at)
   redis.call('PEXPIREAT', K_DONE, int(math.ceil(tonumber(last[2]) / 1000)))
 end
 
--- Release every expired reservation at its worst case (its replica died), and forget
--- closed ids past their time.
-local function sweep(now)
-  local expired = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', int(now))
-  for _, rid in ipairs(expired) do
-    local rec = redis.call('HGET', K_RESV, rid)
-    if rec then
-      close(rid, rec, nil, now + DAY_US)
-    else
-      redis.call('ZREM', K_LEASES, rid)
-      redis.call('ZREM', K_STARTS, rid)
-    end
+-- Release reservation `rid`, whose lease expired, at its worst case (its replica died).
+local function release(rid, now)
+  local rec = redis.call('HGET', K_RESV, rid)
+  if rec then
+    close(rid, rec, nil, now + DAY_US)
+  else
+    redis.call('ZREM', K_LEASES, rid)
+    redis.call('ZREM', K_STARTS, rid)
   end
-  redis.call('ZREMRANGEBYSCORE', K_DONE, '-inf', int(now))
+end
+
+-- Release expired reservations, the earliest expiry first, and forget closed ids past their
+-- time, the earliest first: at most SWEEP_LIMIT of each per call, so that a dead replica's
+-- thousand leases never hold Redis in one script. A backlog drains over the next calls
+-- (each script sweeps before it reads; each adds at most one lease or done id). Until then
+-- nothing reads an expired lease or a forgotten id as present: live leases are those with
+-- expiry > now (live_leases, first_live_expiry, oldest_live_age), renew and settle release
+-- an expired one they are asked about, and reserve refuses only ids with forget-at > now.
+local SWEEP_LIMIT = 64
+
+local function sweep(now)
+  local expired = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', int(now), 'LIMIT', 0, SWEEP_LIMIT)
+  for _, rid in ipairs(expired) do release(rid, now) end
+  -- `done` is ordered by forget-at: the n that are due are its n lowest ranks.
+  local due = math.min(redis.call('ZCOUNT', K_DONE, '-inf', int(now)), SWEEP_LIMIT)
+  if due > 0 then redis.call('ZREMRANGEBYRANK', K_DONE, 0, due - 1) end
+end
+
+-- The expiry (µs) of `rid`'s lease if it is live at `now`; an expired one the sweep has not
+-- reached yet is released here, as the sweep would have. nil: no live lease.
+local function live_expiry(rid, now)
+  local expiry = redis.call('ZSCORE', K_LEASES, rid)
+  if not expiry then return nil end
+  expiry = tonumber(expiry)
+  if expiry > now then return expiry end
+  release(rid, now)
+  return nil
+end
+
+local function live_leases(now)
+  return redis.call('ZCOUNT', K_LEASES, '(' .. int(now), '+inf')
+end
+
+-- The earliest expiry (µs) of a live lease, nil if none.
+local function first_live_expiry(now)
+  local first = redis.call('ZRANGEBYSCORE', K_LEASES, '(' .. int(now), '+inf', 'WITHSCORES',
+                           'LIMIT', 0, 1)
+  return first[2] and tonumber(first[2])
+end
+
+-- How long ago the oldest live lease was reserved; 0 if unknown (a lease from before
+-- `starts`, or SWEEP_LIMIT older ones expired and not yet swept).
+local function oldest_live_age(now)
+  local starts = redis.call('ZRANGE', K_STARTS, 0, SWEEP_LIMIT - 1, 'WITHSCORES')
+  for i = 1, #starts, 2 do
+    local expiry = redis.call('ZSCORE', K_LEASES, starts[i])
+    if expiry and tonumber(expiry) > now then return now - tonumber(starts[i + 1]) end
+  end
+  return 0
 end
 
 -- Slot-hold estimate, mirrored by policies/hold.py: the mean and mean deviation (µs) of

@@ -3,7 +3,7 @@
 local rid, ttl = ARGV[1], tonumber(ARGV[2])
 local now = now_us()
 sweep(now)
-if not redis.call('ZSCORE', K_LEASES, rid) then return 0 end
+if not live_expiry(rid, now) then return 0 end
 redis.call('ZADD', K_LEASES, 'XX', int(now + ttl), rid)
 redis.call('PEXPIRE', K_LEASES, int(KEEP_MS + math.ceil(ttl / 1000)))
 redis.call('PEXPIRE', K_STARTS, int(KEEP_MS + math.ceil(ttl / 1000)))

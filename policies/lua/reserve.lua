@@ -21,7 +21,8 @@ if redis.call('HGET', K_BUDGET, 'day') ~= tostring(p.day) then  -- a new day: pr
   end
   redis.call('HSET', K_BUDGET, 'day', tostring(p.day))
 end
-if redis.call('HEXISTS', K_RESV, rid) == 1 or redis.call('ZSCORE', K_DONE, rid) then
+local forget_at = redis.call('ZSCORE', K_DONE, rid)  -- due but not yet swept: forgotten
+if redis.call('HEXISTS', K_RESV, rid) == 1 or (forget_at and tonumber(forget_at) > now) then
   return {-1}
 end
 
@@ -45,13 +46,11 @@ end
 if tpmo >= 0 and month_total + cost > tpmo then
   check('tokens_per_month', cost <= tpmo and p.month_end - now or nil)
 end
-if cmax >= 0 and redis.call('ZCARD', K_LEASES) >= cmax then
-  local first = redis.call('ZRANGE', K_LEASES, 0, 0, 'WITHSCORES')
+if cmax >= 0 and live_leases(now) >= cmax then  -- expired, unswept leases hold no slot
+  local first = first_live_expiry(now)
   local wait = nil
-  if cmax > 0 and first[2] then  -- predicted from the oldest lease's age, at most its expiry
-    local oldest = redis.call('ZRANGE', K_STARTS, 0, 0, 'WITHSCORES')
-    local age = oldest[2] and now - tonumber(oldest[2]) or 0  -- 0: a lease from before starts
-    wait = hold_wait(age, tonumber(first[2]) - now)
+  if cmax > 0 and first then  -- predicted from the oldest lease's age, at most its expiry
+    wait = hold_wait(oldest_live_age(now), first - now)
   end
   check('max_concurrency', wait)
 end

@@ -8,7 +8,8 @@ local rid, actual = ARGV[1], tonumber(ARGV[2])
 local now = now_us()
 sweep(now)
 local rec = redis.call('HGET', K_RESV, rid)
-if not rec then return 0 end
+local expiry = rec and live_expiry(rid, now)
+if not expiry then return 0 end
 local tokens, charged = string.match(rec, '^(%S+) %S+ %S+ (%S+)$')
 tokens, charged = tonumber(tokens), tonumber(charged)
 if charged >= 0 then
@@ -18,6 +19,5 @@ if charged >= 0 then
 end
 local began = redis.call('ZSCORE', K_STARTS, rid)
 if actual > 0 and began then observe_hold(now - tonumber(began)) end
-local expiry = tonumber(redis.call('ZSCORE', K_LEASES, rid))
-close(rid, rec, actual, math.max(expiry, now) + DAY_US)
+close(rid, rec, actual, expiry + DAY_US)  -- expiry > now: the lease is live
 return 1
