@@ -38,10 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from loadtest import scripted_server as script
 from loadtest.run import Measurement, measure_workload
+from loadtest.stats import describe
 from loadtest.workload import Workload, parse_workload
 
 RATES = (10.0, 50.0, 100.0)
@@ -84,15 +83,6 @@ def accuracy_workload(rate: float, duration_s: float, seed: int = 1) -> Workload
         "name": f"accuracy-{rate:g}rps", "seed": seed, "duration_s": duration_s,
         "model": "scripted", "arrival": {"process": "constant", "rate": rate},
         "classes": [{"name": "plain", "share": 1, "lengths": one}]})
-
-
-def spread(values: list[float]) -> dict[str, float | None]:
-    """p50, p99 and max (numpy's linear percentiles), in the values' unit."""
-    if not values:
-        return {"p50": None, "p99": None, "max": None}
-    arr = np.asarray(values, dtype=float)
-    return {"p50": round(float(np.percentile(arr, 50)), 3),
-            "p99": round(float(np.percentile(arr, 99)), 3), "max": round(float(arr.max()), 3)}
 
 
 @dataclass(slots=True)
@@ -151,10 +141,11 @@ def summarize_run(rate: float, duration_s: float, m: Measurement, pairs: Pairs,
                   unpaired: int) -> dict[str, Any]:
     metrics: dict[str, Any] = {}
     for name in METRICS:
-        entry: dict[str, Any] = {"n": len(pairs.diff[name]), "diff_ms": spread(pairs.diff[name])}
+        entry: dict[str, Any] = {"n": len(pairs.diff[name]),
+                                 "diff_ms": describe(pairs.diff[name])}
         if name in NOMINAL_MS:
-            entry["client_p50"] = spread(pairs.client[name])["p50"]
-            entry["server_p50"] = spread(pairs.server[name])["p50"]
+            entry["client_p50"] = describe(pairs.client[name])["p50"]
+            entry["server_p50"] = describe(pairs.server[name])["p50"]
             entry["nominal"] = round(NOMINAL_MS[name], 3)
         metrics[name] = entry
     return {"rate": rate, "duration_s": duration_s, "answers": len(pairs.diff["e2e_ms"]),

@@ -42,6 +42,7 @@ from loadtest.prompts import Calibration
 from loadtest.report import run_bench, say, write_report
 from loadtest.run import measure_workload
 from loadtest.runner import CLIENT_CPU_LIMIT, LAG_P99_LIMIT_S, lag_p99
+from loadtest.urls import server_root
 from loadtest.workload import Workload, parse_workload
 
 CHUNKS = 20  # content chunks per answer, as in the overhead bench
@@ -171,7 +172,7 @@ def verdict(ceiling: float | None, closed: Probe | None) -> tuple[float | None, 
 async def run_ceiling(base_url: str, plan: Plan,
                       upstream_cpu: Callable[[], float] | None = None) -> dict[str, Any]:
     """The open-loop search, then the closed-loop runs, against ``base_url``; every figure."""
-    base_url = base_url.rstrip("/").removesuffix("/v1")
+    base_url = server_root(base_url)
     cal = await calibrate(base_url, None, ceiling_workload(plan.duration_s, rate=1.0))
     load0 = os.getloadavg()
 

@@ -30,7 +30,6 @@ from loadtest.arrivals import Planned
 from loadtest.dataset import Entry
 from loadtest.prompts import PROBE_WORDS, Calibration, PromptBook, words
 from loadtest.workload import Workload
-from protocol.http import retry_after_s
 
 # A streamed request ends in exactly one of these (stats.py decides success vs slo_miss).
 CANCEL_PATIENCE, CANCEL_TOKENS = "patience", "after_tokens"
@@ -260,6 +259,8 @@ async def _probe(client: httpx.AsyncClient, url: str, key: str | None, w: Worklo
         resp = await client.post(url, json=body, headers=_headers(key, -1))
         if resp.status_code not in (429, 503):
             return resp
+        from protocol.http import retry_after_s  # (starlette: not at every `sluice` start)
+
         pause = max(RETRY_MIN_S, retry_after_s(resp.headers))
         if loop.time() + pause > end:
             raise ProbeRefused(

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from loadtest.client import PROBE_WAIT_S
 from loadtest.run import Measurement, measure_workload
 from loadtest.stats import Measured
+from loadtest.urls import server_root
 from loadtest.workload import Workload, WorkloadError
 
 T = TypeVar("T")
@@ -110,7 +111,7 @@ async def run_command(w: Workload, args: argparse.Namespace, base: Path,
     """The measured run(s) of one command; None when stopped before the first run."""
     from loadtest.client import calibrate
 
-    target = args.target.rstrip("/").removesuffix("/v1")
+    target = args.target  # a server root already (_workload)
     stop = stop or asyncio.Event()
     _stop_on_signals(stop)
     got = await _unless_stopped(calibrate(target, args.key, w, wait_s=args.probe_wait), stop)
@@ -160,7 +161,7 @@ def _workload(args: argparse.Namespace) -> tuple[Workload, Path] | int:
     if args.target is None:
         print("sluice loadtest: --target URL is required", file=sys.stderr)
         return 2
-    args.target = args.target.rstrip("/").removesuffix("/v1")
+    args.target = server_root(args.target)
     if args.sweep and args.sweep_concurrency:
         print("sluice loadtest: --sweep (rates) and --sweep-concurrency exclude each other",
               file=sys.stderr)

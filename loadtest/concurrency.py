@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from loadtest.plots import save_png
 from loadtest.run import Measurement
+from loadtest.sweep import Probe
 from loadtest.workload import Workload
-
-Probe = Callable[[Workload, str], Awaitable[Measurement]]
 
 
 def _q(block: Any, key: str) -> float | None:

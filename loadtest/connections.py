@@ -33,19 +33,17 @@ class Lender:
         self._slots = asyncio.Semaphore(cap)
         self._ssl = ssl.create_default_context()
 
-    def _new(self) -> httpx.AsyncClient:
+    def dedicated(self) -> httpx.AsyncClient:
+        """A client of its own (a closed-loop slot, or one more to lend), closed with the
+        others."""
         client = httpx.AsyncClient(limits=ONE, timeout=httpx.Timeout(None), verify=self._ssl)
         self._all.append(client)
         return client
 
-    def dedicated(self) -> httpx.AsyncClient:
-        """A client of its own (a closed-loop slot), closed with the others."""
-        return self._new()
-
     @contextlib.asynccontextmanager
     async def lend(self) -> AsyncIterator[httpx.AsyncClient]:
         async with self._slots:
-            client = self._idle.pop() if self._idle else self._new()
+            client = self._idle.pop() if self._idle else self.dedicated()
             try:
                 yield client
             finally:

@@ -31,6 +31,8 @@ from typing import Any, Protocol
 import httpx
 import tokenizers
 
+from loadtest.urls import server_root
+
 # A prompt as sent: chat messages, or the text of a completions prompt.
 Prompt = tuple[dict[str, Any], ...] | str
 ChatProbe = Callable[[list[dict[str, Any]]], Awaitable[int]]  # a conversation's count
@@ -58,11 +60,6 @@ class Counter(Protocol):
     async def count_prompts(self, prompts: Sequence[Prompt]) -> list[int]: ...
 
     async def count_answers(self, texts: Sequence[str]) -> list[int]: ...
-
-
-def _v1_root(base_url: str) -> str:
-    root = base_url.rstrip("/")
-    return root.removesuffix("/v1")
 
 
 def _model_error(resp: httpx.Response) -> bool:
@@ -104,7 +101,7 @@ class TargetCounter:
     def __init__(self, client: httpx.AsyncClient, base_url: str, key: str | None,
                  model: str) -> None:
         self._client = client
-        self._root = _v1_root(base_url)
+        self._root = server_root(base_url)
         self._path = 0  # index in _TOKENIZE_PATHS: the first that answers is kept
         self._headers = {"authorization": f"Bearer {key}"} if key else {}
         self._model = model
@@ -254,7 +251,7 @@ async def chat_probe(client: httpx.AsyncClient, base_url: str, key: str | None,
         source = target.describe.removeprefix("target ")
         return (lambda messages: target.tokenize({"model": model, "messages": messages}),
                 source)
-    url = _v1_root(base_url) + "/v1/chat/completions"
+    url = server_root(base_url) + "/v1/chat/completions"
     headers = {"authorization": f"Bearer {key}"} if key else {}
 
     async def completion(messages: list[dict[str, Any]]) -> int:

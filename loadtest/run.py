@@ -26,6 +26,7 @@ from loadtest.prompts import Calibration, PromptBook
 from loadtest.runner import Drive, RunResult, run_closed, run_schedule
 from loadtest.stats import Measured
 from loadtest.summary import summarize
+from loadtest.urls import server_root
 from loadtest.workload import Workload
 
 EMPTY_WINDOW_S = 1e-3  # the window of a run that measured nothing (rates are then 0)
@@ -115,7 +116,7 @@ async def measure_workload(w: Workload, base_url: str, key: str | None, *,
     ``scrape`` URLs (a bundled backend's /metrics needs its API key), not to the target.
     ``dataset``: the prepared entries of ``w.dataset`` (prepared here, relative to
     ``dataset_dir``, when not given). ``stop`` set: the run ends early, marked partial."""
-    base_url = base_url.rstrip("/").removesuffix("/v1")
+    base_url = server_root(base_url)
     w = cap_requests(w)
     cal, continuous = calibration or await calibrate(base_url, key, w)
     if dataset is None and w.dataset is not None:

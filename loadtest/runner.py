@@ -133,21 +133,21 @@ async def _drive(d: Drive, send: Callable[[Lender, float], Awaitable[list[Record
 
 async def _finish(tasks: set[asyncio.Task[None]], stop: asyncio.Event | None) -> None:
     """Wait for the requests in flight (each is bounded); on ``stop``, cancel them."""
-    stopper = asyncio.ensure_future(stop.wait()) if stop is not None else None
+    pending = [t for t in tasks if not t.done()]
+    if not pending:
+        return
+    together: asyncio.Future[Any] = asyncio.gather(*pending, return_exceptions=True)
+    if stop is None:
+        await together
+        return
+    stopper: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
     try:
-        while pending := {t for t in tasks if not t.done()}:
-            waits: set[asyncio.Future[Any]] = set(pending)
-            if stopper is not None:
-                waits.add(stopper)
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            if stop is not None and stop.is_set():
-                for task in pending:
-                    task.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
-                return
+        await asyncio.wait([together, stopper], return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if stopper is not None:
-            stopper.cancel()
+        stopper.cancel()
+    if not together.done():  # stopped: what is in flight is dropped
+        together.cancel()
+        await asyncio.gather(together, return_exceptions=True)
 
 
 async def run_schedule(d: Drive, plan: list[Planned]) -> RunResult:

@@ -35,8 +35,7 @@ Behave = Callable[[int, dict[str, Any]], Reply]
 
 
 def _chunk(payload: dict[str, Any]) -> bytes:
-    data = b"data: " + json.dumps(payload).encode() + b"\n\n"
-    return b"%x\r\n%s\r\n" % (len(data), data)
+    return _chunk_raw(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
 
 class SSEServer:
