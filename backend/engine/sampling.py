@@ -9,6 +9,10 @@ from .errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # top logprobs per token, at most (OpenAI's chat limit)
 MAX_N = 128  # choices per request, at most (OpenAI's limit)
+# A temperature below this is greedy (vLLM's threshold too): dividing float32 logits by a
+# smaller one overflows to inf, and the softmax of infs is NaN (a fuzzed ``temperature:
+# 5e-324`` made ``multinomial`` raise inside the engine's step and took the server down).
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(slots=True, frozen=True)
@@ -36,7 +40,7 @@ class GrammarSpec:
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    temperature == 0 means greedy. ``seed`` makes sampling reproducible whatever else is
+    temperature below ``GREEDY_BELOW`` (1e-5), 0 included, means greedy. ``seed`` makes sampling reproducible whatever else is
     in the batch: each seeded request draws from its own generator. ``presence_penalty``
     and ``frequency_penalty`` (OpenAI's, over the output tokens) and ``logit_bias``
     ((token id, bias) pairs, ids unique) change the logits before greedy or random picks.
@@ -104,7 +108,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalized(self) -> bool:

@@ -3,6 +3,7 @@ and frequency penalties, temperature, top-k, top-p, seeded draws, and raw logpro
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -109,6 +110,25 @@ def test_batched_equals_a_per_row_reference(rows, seed: int, scale: float) -> No
     for i, p in enumerate(params):
         alone = sample(logits[i:i + 1], [p], gens([p]), outputs=[outputs[i]])
         assert alone == [expected[i]]
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-40, 9.99e-6])
+def test_a_temperature_too_small_to_divide_by_is_greedy(temperature: float) -> None:
+    # Logits divided by 5e-324 overflow to inf and softmax gives NaN: multinomial raised in
+    # the engine's step and took the server down (a fuzzed body did). Such rows are greedy,
+    # alone (the scalar path), in a block with a random row, and after a logit bias.
+    logits = logits_of(7, 3, 12.0)
+    tiny = SamplingParams(temperature=temperature, seed=1)
+    hot = SamplingParams(temperature=1.0, seed=2)
+    assert tiny.greedy
+    argmax = logits.argmax(dim=-1).tolist()
+    assert sample(logits[:1], [tiny], [make_generator(1)]) == argmax[:1]
+    out = sample(logits, [hot, tiny, tiny], [make_generator(2), make_generator(1),
+                                            make_generator(1)])
+    assert out[1:] == argmax[1:]
+    biased = SamplingParams(temperature=temperature, logit_bias=((5, 100.0),))
+    assert sample(logits[:1], [biased], [None]) == [5]
+    assert not SamplingParams(temperature=1e-5).greedy  # the threshold itself samples
 
 
 def test_logprobs_are_the_raw_distribution_for_the_rows_that_ask() -> None:

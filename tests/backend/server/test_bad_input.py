@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from .conftest import Backend, start_backend
@@ -184,6 +184,30 @@ def test_fields_the_engine_does_not_serve_are_named(http: httpx.Client, path: st
     assert_error(http.post(path, json={**base, **extra}), 400, param, code)
 
 
+@pytest.mark.parametrize("path", [CHAT, COMP])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_subnormal_temperature_is_greedy_not_a_dead_engine(http: httpx.Client, path: str,
+                                                             stream: bool) -> None:
+    # The fuzz test found it: temperature 5e-324 made the sampler's softmax NaN, multinomial
+    # raised inside the engine's step, and the server exited. Now greedy, and the server lives.
+    base = {"messages": [{"role": "user", "content": "hi"}]} if path == CHAT \
+        else {"prompt": "hello"}
+    body = {**base, "max_tokens": 4, "temperature": 5e-324, "stream": stream}
+    greedy = http.post(path, json={**base, "max_tokens": 4, "temperature": 0})
+    assert greedy.status_code == 200, greedy.text
+    key = "message" if path == CHAT else "text"
+    want = greedy.json()["choices"][0][key]
+    if stream:
+        with http.stream("POST", path, json=body) as r:
+            raw = r.read()
+        assert r.status_code == 200 and raw.endswith(b"data: [DONE]\n\n"), raw[-300:]
+    else:
+        r = http.post(path, json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0][key] == want
+    assert http.get("/health").status_code == 200
+
+
 def test_what_the_engine_serves_and_the_extensions_are_accepted(http: httpx.Client) -> None:
     body = {"prompt": "x", "max_tokens": 1, "seed": 1, "stop": ["zz"], "top_k": 3,
             "stop_token_ids": [5], "ignore_eos": True, "user": "u", "priority": 2,
@@ -225,6 +249,7 @@ body_strategy = st.one_of(st.fixed_dictionaries({}, optional=fields), json_value
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(path=st.sampled_from([CHAT, COMP, "/v1/tokenize"]), body=body_strategy)
+@example(path=COMP, body={"prompt": "x", "max_tokens": 2, "temperature": 5e-324})
 def test_fuzzed_bodies_never_500_or_hang(http: httpx.Client, path: str, body: object) -> None:
     if isinstance(body, dict) and body.get("stream") is True:
         with http.stream("POST", path, json=body) as r:
