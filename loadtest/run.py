@@ -93,6 +93,9 @@ def _partial(w: Workload, result: RunResult) -> tuple[Workload, list[str]]:
             + (f", {unsent} never sent" if unsent and w.concurrency is None else "") + ")")
     if early:
         note += f"; before warmup_s ({w.warmup_s:g} s) ended, so nothing was measured"
+    elif not any(r.plan.measured for r in result.records):
+        # (a stop that came before the first send, seen a few ms late on a busy machine)
+        note += "; no request ended inside the measured window, so nothing was measured"
     return eff, [note]
 
 

@@ -164,6 +164,18 @@ def test_stopped_before_the_start_measures_nothing(mode: dict[str, Any]) -> None
     assert "nothing was measured" in r["notes"][0]
 
 
+def test_a_stop_seen_late_still_says_nothing_was_measured() -> None:
+    """A stop set before the start but seen 0.2 s in (a busy machine): the window is not
+    before warmup_s, yet nothing ended, and the note says so (CI failed on this race)."""
+    from loadtest.run import _partial
+    from loadtest.runner import RunResult
+
+    w = parse_workload({"duration_s": 5, "model": "m", "concurrency": 2, "classes": [
+        {"name": "a", "share": 1, "lengths": {"pairs": [[4, 2]]}}]})
+    _, notes = _partial(w, RunResult([], 0.0, 0.2, 0.0, interrupted_at=0.2))
+    assert "interrupted 0.2 s" in notes[0] and "nothing was measured" in notes[0]
+
+
 def test_stopped_during_warmup_counts_no_warmup_request() -> None:
     w = parse_workload({"duration_s": 30, "warmup_s": 20, "model": "m",
                         "arrival": {"process": "constant", "rate": 10},
