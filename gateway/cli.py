@@ -261,7 +261,8 @@ def up_config(args: argparse.Namespace, entry: Any) -> Any:
 
     raw = apply_env({}, os.environ)
     raw.update(listen={**raw.get("listen", {}), "host": args.host, "port": args.port},
-               store={**raw.get("store", {}), "url": args.redis or None},
+               store={**raw.get("store", {}), "url": args.redis or None,
+                      **({"cluster": True} if getattr(args, "redis_cluster", False) else {})},
                models=[entry], tenants_file=Path(args.tenants or "-"))
     try:
         return GatewayConfig.model_validate(raw)
@@ -328,8 +329,9 @@ def _up(args: argparse.Namespace) -> int:
     url = f"http://{shown}:{args.port}"
 
     def ready() -> None:
+        kept = "redis cluster " if config.store.cluster else "redis "
         lines = [(f"sluice is up: model {name} at {url}/v1 (quotas: "
-                 f"{'redis ' + args.redis if args.redis else 'in memory'})")]
+                 f"{kept + args.redis if args.redis else 'in memory'})")]
         if not args.tenants:
             lines.append("demo tenants (keys): " + ", ".join(
                 f"{t} = {k}" for t, k in DEMO_KEYS.items()))
@@ -379,6 +381,9 @@ def register(sub: Any) -> None:
     up.add_argument("--redis", default=os.environ.get("SLUICE_REDIS_URL"), metavar="URL",
                     help="keep quotas in Redis (redis://host:port/db; default: in memory, "
                          "or $SLUICE_REDIS_URL)")
+    up.add_argument("--redis-cluster", action="store_true",
+                    help="--redis names a seed node of a Redis Cluster "
+                         "(or $SLUICE_REDIS_CLUSTER=1)")
     up.add_argument("--upstream", default=None, metavar="URL",
                     help="front this OpenAI-compatible server instead of starting the backend")
     up.add_argument("--model-name", default=None, help="with --upstream: the model's name")

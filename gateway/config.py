@@ -244,6 +244,8 @@ class StoreConfig(_Strict):
     url: str | None = None  # redis://host:port/db; None: in-memory (one process only)
     timeout_s: float = Field(0.25, gt=0)  # every store call; past it the fail mode applies
     replicas: int = Field(1, ge=1)  # gateway replicas: fail-open admits limit / replicas
+    # url names one seed node of a Redis Cluster (docs/admission.md "Redis Cluster")
+    cluster: bool = False
 
     @field_validator("url")
     @classmethod
@@ -251,6 +253,14 @@ class StoreConfig(_Strict):
         if v is not None and not re.match(r"^rediss?://", v):
             raise ValueError("store.url must be a redis:// or rediss:// URL")
         return v
+
+    @model_validator(mode="after")
+    def _cluster_needs_url(self) -> StoreConfig:
+        if self.cluster and self.url is None:
+            raise ValueError("store.cluster needs store.url (a seed node of the cluster)")
+        if self.cluster and self.url is not None and re.search(r"://[^/]*/(?!0?$)", self.url):
+            raise ValueError("store.url: a Redis Cluster has database 0 only")
+        return self
 
 
 class AdmissionConfig(_Strict):
@@ -302,6 +312,17 @@ class BreakerConfig(_Strict):
     min_requests: int = Field(20, ge=1)
     cooldown_s: float = Field(5.0, ge=0)
     max_probes: int = Field(1, ge=1)
+    # after half-open -> closed, dispatch to the member is paced this long (0: off),
+    # from ramp_start_rps, doubling each tenth of it (docs/resilience.md)
+    ramp_s: float = Field(10.0, ge=0)
+    ramp_start_rps: float = Field(2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _ramp(self) -> BreakerConfig:
+        if self.ramp_s > 0 and self.ramp_start_rps * self.ramp_s / 10 < 1:
+            raise ValueError("ramp_start_rps × ramp_s / 10 must be at least 1 (a ramp step "
+                             "must let one request through)")
+        return self
 
 
 class RetryConfig(_Strict):
@@ -381,6 +402,9 @@ def apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
     for name, value in env.items():
         if name == "SLUICE_REDIS_URL":
             out["store"] = {**(out.get("store") or {}), "url": value or None}
+            continue
+        if name == "SLUICE_REDIS_CLUSTER":  # 1/true/yes/on, 0/false/no/off/empty; else refused
+            out["store"] = {**(out.get("store") or {}), "cluster": value.strip() or False}
             continue
         if not name.startswith(ENV_PREFIX):
             continue

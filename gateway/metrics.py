@@ -21,6 +21,7 @@ from telemetry.metrics import (
     Registry,
     pool_families,
 )
+from telemetry.pauses import Pauses
 
 from .admission import AdmissionSnapshot
 from .pool import Member
@@ -106,6 +107,10 @@ class GatewayMetrics:
         if parsing is not None:
             self.registry.collector(lambda: _parsing(parsing()))
 
+    def bind_pauses(self, pauses: Pauses) -> None:
+        """The process's collector passes and loop stalls, read at scrape time."""
+        self.registry.collector(lambda: pauses.families(P))
+
     def bind_connections(self, snapshot: Callable[[], Iterable[tuple[str, int]]]) -> None:
         """Where the listener's cuts and refusals come from (``ConnectionCounts``)."""
         self._connections = snapshot
@@ -140,6 +145,9 @@ class GatewayMetrics:
         yield _family(P + "slots_held", "gauge",
                       "Upstream slots (in-flight requests) this replica holds.",
                       ((q.slots_held, {"model": q.upstream}) for q in qs))
+        yield _family(P + "release_events_subscribed", "gauge", "1 while other replicas' "
+                      "releases wake the queue at once (0: it polls the shared gate).",
+                      ((int(q.hears_releases), {"model": q.upstream}) for q in qs))
         yield _family(P + "upstream_inflight_tokens", "gauge", "Worst-case tokens (prompt + "
                       "max output) of the requests in flight to the upstream.",
                       ((q.held_tokens, {"model": q.upstream}) for q in qs))
@@ -157,6 +165,13 @@ class GatewayMetrics:
             1 if adm.store_up else 0)
         yield Family(P + "leases_live", "gauge",
                      "Quota leases held by this replica.").add(adm.leases_live)
+        beats, beat_s, longest = adm.renew_beats
+        yield Family(P + "renew_beats_total", "counter",
+                     "Renewal beats (every live lease and slot renewed).").add(beats)
+        yield Family(P + "renew_beat_seconds_total", "counter",
+                     "Time the renewal beats took.").add(beat_s)
+        yield Family(P + "renew_longest_beat_seconds", "gauge",
+                     "The longest renewal beat since the start.").add(longest)
         yield from _resilience(self, ups)
 
 

@@ -21,6 +21,11 @@ still inside the Retry-After it answered with is taken only when no other can):
                 spills over instead of overloading one server.
 The prefix key reads characters, not tokens: the hash needs the same start to give the same
 key, which characters do without tokenizing twice.
+
+A member whose breaker just went half-open → closed is paced by its ``Ramp``
+(policies/breaker.py) for ``ramp_s``: while its ramp has no room it comes after the others
+(with those inside a Retry-After), so least-load routing cannot hand it every new request
+at once; it is still taken when no other member can (its capacity gate bounds it then).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from policies.breaker import Breaker, BreakerPolicy, Pass, State
+from policies.breaker import Breaker, BreakerPolicy, Pass, Ramp, State
 from protocol.versions import ResolvedVersions, ServedVersions
 
 from .config import MemberEntry, ModelEntry
@@ -56,6 +61,7 @@ class Member:
         self.pool = pool
         self.clock = clock
         self.breaker = Breaker(policy, clock, self._transition)
+        self.ramp: Ramp | None = None  # pacing after half-open → closed; None when unpaced
         self.kv_tokens: int | None = None
         self.max_seqs: int | None = None
         self.overcommit = 1.0
@@ -91,6 +97,28 @@ class Member:
 
     def _transition(self, old: State, new: State) -> None:
         log.warning("model %s: upstream %s breaker %s -> %s", self.model, self.url, old, new)
+        self.ramp = None
+        p = self.breaker.policy
+        if old == "half_open" and new == "closed" and p.ramp_s > 0:
+            try:
+                self.ramp = Ramp(p.ramp_s, p.ramp_start_rps)
+            except RuntimeError:  # no event loop (a synchronous caller): nothing to pace
+                pass
+
+    def paced(self) -> bool:
+        """Whether its ramp holds it back now (no room for one more request)."""
+        ramp = self.ramp
+        if ramp is None:
+            return False
+        if ramp.over():
+            self.ramp = None
+            return False
+        return not ramp.has_room()
+
+    def dispatched(self) -> None:
+        """Count one request routed here against its ramp, if it has one."""
+        if self.ramp is not None:
+            self.ramp.take()
 
     def limits(self) -> tuple[int | None, int | None]:
         """(in-flight worst-case tokens, in-flight sequences) its capacity gate allows."""
@@ -159,6 +187,7 @@ class Router:
             granted = m.breaker.try_pass()
             if granted is not None:
                 self.routed[m.key] += 1
+                m.dispatched()
                 return m, granted
         if not members:
             raise NoRevision(self.refresh_s)
@@ -178,11 +207,13 @@ class Router:
 
     def _order(self, members: list[Member], tokens: int, key: bytes | None,
                exclude: frozenset[str]) -> list[Member]:
-        """Candidates, best first; a member inside its Retry-After comes last of all."""
+        """Candidates, best first; a member paced by its ramp comes after those, and one
+        inside its Retry-After last of all."""
         live = [m for m in members if m.key not in exclude and m.breaker.available()]
         now = self.members[0].clock()
-        later = [m for m in live if m.not_before > now]
-        live = [m for m in live if m.not_before <= now]
+        later = ([m for m in live if m.not_before <= now and m.paced()]
+                 + [m for m in live if m.not_before > now])
+        live = [m for m in live if m.not_before <= now and m not in later]
         if len(live) < 2:
             return live + later
         by_load = sorted(live, key=lambda m: (m.load(), self.routed[m.key]))  # ties: turns

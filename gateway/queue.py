@@ -27,12 +27,13 @@ leaves just as it was granted a slot gives the slot back.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 from policies.capacity import CapacityGate
 from policies.fair_queue import Entry, FairQueue, Reserve, Shed, ShedReason
@@ -41,9 +42,23 @@ from .errors import GatewayError, GatewayTimeout
 from .slots import HeldSlots, Limits
 from .tracing import NO_TRACE, QUEUE, NoTrace, reject_reason
 
+if TYPE_CHECKING:  # redis is imported only where a gate is shared
+    from policies.release_events import ReleaseEvents
+
 log = logging.getLogger("sluice.gateway.queue")
 
-POLL_S = 0.02  # other replicas' releases are not announced: re-try the gate this often
+# How often a waiting queue re-tries the gate for capacity another replica freed:
+POLL_S = 0.02  # while nobody tells it (no shared gate, or its release events not heard)
+# While release events are heard they wake the queue at once, and the poll is only the
+# fallback for a lost message (pub/sub delivers at most once: a link down, a dropped
+# buffer), which then strands a waiter at most this long. 0.25 s: a rare loss costs about
+# one model's time to first token, once, while each waiting queue of each replica asks the
+# shared Redis 4 times a second instead of 50 while nothing is released.
+FALLBACK_POLL_S = 0.25
+
+
+def _deaf() -> bool:
+    return False
 
 
 class QueueFull(GatewayError):
@@ -171,6 +186,7 @@ class QueueSnapshot:
     held_tokens: int  # their worst-case tokens
     dispatched: tuple[tuple[str, int], ...]  # (tenant, dispatched from the queue), by tenant
     drain_rate: float | None  # worst-case tokens released per second lately
+    hears_releases: bool = False  # other replicas' releases wake it (else it polls)
 
 
 @dataclass(slots=True, eq=False)
@@ -190,8 +206,17 @@ class DispatchQueue:
         self.clock = clock
         self.policy = FairQueue(max_len=max_len, aging_s=aging_s, clock=clock)
         self._wake = asyncio.Event()
+        self._causes: set[str] = set()  # who set _wake since the pump last cleared it
+        # the pump's wake-ups by cause: "local" (a slot of this replica back at the gate),
+        # "event" (a release event: another replica freed capacity), "push" (a new waiter),
+        # "poll" (nobody told it: the poll ran out)
+        self.wakeups: dict[str, int] = dict.fromkeys(("local", "event", "push", "poll"), 0)
+        # whether release events reach this queue now (``hear_releases`` sets it): then the
+        # poll is only a fallback (FALLBACK_POLL_S instead of POLL_S)
+        self.hears_releases: Callable[[], bool] = _deaf
         self.slots = HeldSlots(upstream, gate, limits, self.reserve, self.policy,
-                               self._wake.set, ttl_s=slot_ttl_s, replicas=replicas)
+                               lambda: self._wake_up("local"), ttl_s=slot_ttl_s,
+                               replicas=replicas)
         self._waiters: dict[Entry, Waiter] = {}
         self._pump: asyncio.Task[None] | None = None
 
@@ -210,7 +235,7 @@ class DispatchQueue:
         p = self.policy
         return QueueSnapshot(self.upstream, p.size, p.waiting_tokens, len(self.slots),
                              p.held_tokens, tuple(sorted(p.dispatched.items())),
-                             p.drain_rate())
+                             p.drain_rate(), self.hears_releases())
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the waiters or slots disagree with the policy's."""
@@ -245,6 +270,10 @@ class DispatchQueue:
 
     async def renew_all(self) -> None:
         await self.slots.renew_all()
+
+    def released_elsewhere(self) -> None:
+        """A release event: capacity of this upstream came back at the shared gate."""
+        self._wake_up("event")
 
     async def aclose(self) -> None:
         if self._pump is not None:
@@ -319,6 +348,10 @@ class DispatchQueue:
             # carry that request's trace context (its store calls would join that trace)
             self._pump = asyncio.get_running_loop().create_task(
                 self._run(), context=contextvars.Context())
+        self._wake_up("push")
+
+    def _wake_up(self, cause: str) -> None:
+        self._causes.add(cause)
         self._wake.set()
 
     def _pick(self, urgent_only: bool = False) -> Waiter | None:
@@ -330,9 +363,14 @@ class DispatchQueue:
         return None if entry is None else self._waiters[entry]
 
     async def _run(self) -> None:
-        """Dispatch while there is room; sleep until a release (or a poll for other
-        replicas' releases) when there is not."""
+        """Dispatch while there is room; when there is not, sleep until a release here, a
+        release event from another replica, or the poll (POLL_S, or FALLBACK_POLL_S while
+        events are heard)."""
         while self.size:
+            # Cleared before the gate call, not after: a release that lands while the call
+            # is in flight sets it again, and the wait below returns at once (no lost wake).
+            self._wake.clear()
+            self._causes.clear()
             w = self._pick()
             if w is None:
                 await asyncio.sleep(POLL_S)
@@ -362,7 +400,30 @@ class DispatchQueue:
                 else:
                     w.future.set_result(None)
                 continue
-            self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(POLL_S):
+            try:
+                async with asyncio.timeout(FALLBACK_POLL_S if self.hears_releases()
+                                           else POLL_S):
                     await self._wake.wait()
+            except TimeoutError:
+                self.wakeups["poll"] += 1
+            else:
+                for cause in self._causes:
+                    self.wakeups[cause] += 1
+
+
+def hear_releases(queues: Mapping[str, DispatchQueue], gate: CapacityGate,
+                  **opts: Any) -> ReleaseEvents | None:
+    """Release events for the queues of a shared gate, not yet started (None when no other
+    replica shares ``gate``): each queue is woken by its upstream's events, and polls the
+    gate only as a fallback while it hears them. ``opts``: ``ReleaseEvents``' own."""
+    from policies.capacity import RedisGate
+
+    if not isinstance(gate, RedisGate) or not queues:
+        return None
+    from policies.release_events import ReleaseEvents
+
+    events = ReleaseEvents(gate.client, {k: gate.channel(k) for k in queues},
+                           {k: q.released_elsewhere for k, q in queues.items()}, **opts)
+    for key, queue in queues.items():
+        queue.hears_releases = partial(events.hears, key)
+    return events

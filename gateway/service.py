@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import httpx
 from opentelemetry import trace
@@ -25,16 +26,20 @@ from protocol.large_bodies import parse_pool
 from protocol.memory import Trimmer
 from protocol.offload import TokenizePool, WorkPool
 from telemetry import Telemetry
+from telemetry.pauses import Pauses
 
 from .admission import Admission
 from .cache_salt import CacheSalter
 from .config import GatewayConfig, TenantsFile
 from .metrics import GatewayMetrics
-from .queue import DispatchQueue
+from .queue import DispatchQueue, hear_releases
 from .registry import Registry
 from .resolve import Resolver
 from .upstream import Upstream, UpstreamError
 from .usage import UsageLedger
+
+if TYPE_CHECKING:
+    from policies.release_events import ReleaseEvents
 
 log = logging.getLogger("sluice.gateway")
 
@@ -116,7 +121,9 @@ class Gateway:
     tokenize_pool: TokenizePool  # long prompts of local tokenizers, off the event loop
     parse_pool: WorkPool  # large bodies parsed in a worker process, tenants in turn
     trimmer: Trimmer = field(default_factory=Trimmer)  # memory back after large bodies
+    pauses: Pauses = field(default_factory=Pauses)  # collector passes and loop stalls
     created: int = field(default_factory=lambda: int(time.time()))
+    release_events: ReleaseEvents | None = None  # wakes the queues on other replicas' releases
 
     @property
     def tracer(self) -> trace.Tracer:
@@ -130,12 +137,18 @@ class Gateway:
         await self.registry.start()
         await self.refresher.refresh_all()
         self.admission.start()
+        if self.release_events is not None:
+            self.release_events.start()
         self.refresher.start()
         self.trimmer.start()
+        self.pauses.start()
+        self.metrics.bind_pauses(self.pauses)
 
     async def aclose(self) -> None:
         await self.refresher.aclose()
         await self.registry.aclose()
+        if self.release_events is not None:
+            await self.release_events.aclose()
         for q in self.queues.values():
             await q.aclose()
         await self.admission.aclose()
@@ -144,6 +157,7 @@ class Gateway:
         self.tokenize_pool.close()
         self.parse_pool.close()
         await self.trimmer.aclose()
+        await self.pauses.aclose()
         # flushes queued spans and pushes the last metrics (blocking I/O: off the loop)
         await asyncio.to_thread(self.telemetry.shutdown)
 
@@ -175,6 +189,7 @@ def build_gateway(config: GatewayConfig, tenants: TenantsFile,
                                   replicas=config.store.replicas)
             queues[member.key] = queue
             admission.renew_hooks.append(queue.renew_all)
+    release_events = hear_releases(queues, admission.gate)  # None: no gate shared
     r = config.resilience.retry
     budget = RetryBudget(RetryPolicy(r.max_attempts, r.budget_ratio, r.budget_min_per_s,
                                      backoff_base_s=r.backoff_base_s,
@@ -191,4 +206,5 @@ def build_gateway(config: GatewayConfig, tenants: TenantsFile,
     return Gateway(config=config, registry=Registry(config, tenants), upstreams=upstreams,
                    refresher=refresher, ledger=ledger, telemetry=telemetry, metrics=metrics,
                    admission=admission, queues=queues, retry_budget=budget, resolver=resolver,
-                   tokenize_pool=tokenize_pool, trimmer=trimmer, parse_pool=parsing)
+                   tokenize_pool=tokenize_pool, trimmer=trimmer, parse_pool=parsing,
+                   release_events=release_events)

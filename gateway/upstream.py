@@ -115,7 +115,8 @@ class Upstream:
         # The relay's hot path uses the lean pools; refreshes, probes and /v1/tokenize httpx.
         b = config.resilience.breaker
         policy = BreakerPolicy(b.consecutive_failures, b.failure_rate, b.window_s,
-                               b.min_requests, b.cooldown_s, b.max_probes)
+                               b.min_requests, b.cooldown_s, b.max_probes,
+                               ramp_s=b.ramp_s, ramp_start_rps=b.ramp_start_rps)
         pools = [Pool(m.url, max_connections=entry.max_connections, connect_s=t.connect_s,
                       read_s=t.idle, first_byte_s=t.first_byte, headers=headers)
                  for m in entry.members]

@@ -12,6 +12,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import httpx
+
 from loadtest.load_client import NOT_SENT, Pool, Sample, check_stream, open_loop
 
 CHAT_BODY = (b'{"model":"fake","messages":[{"role":"user","content":"Say twenty words."}],'
@@ -35,6 +37,26 @@ class Target:
     name: str
     pool: Pool
     cpu_seconds: Callable[[], float] | None = None  # CPU of the gateway's processes
+    # the gateway's pause counters now (``scrape_pauses``): read around each segment
+    pauses: Callable[[], dict[str, float]] | None = None
+
+
+# What ``telemetry/pauses.py`` and the renewal beat count, summed over their labels: read
+# before and after a segment, they say what a bad segment had in it.
+PAUSE_COUNTERS = ("gc_long_pauses_total", "gc_pause_seconds_total", "loop_stalls_total",
+                  "loop_stall_seconds_total", "renew_beats_total", "renew_beat_seconds_total")
+
+
+def scrape_pauses(port: int, prefix: str = "sluice_gateway_") -> dict[str, float]:
+    """The pause counters of a gateway's ``/metrics`` (absent ones: 0)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    out = dict.fromkeys(PAUSE_COUNTERS, 0.0)
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        name = name.split("{", 1)[0].removeprefix(prefix)
+        if name in out:
+            out[name] += float(value.split()[0])
+    return out
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -63,6 +85,8 @@ class Stats:
     # e2e p99 of each of its segments, in order (interleaved runs): one bad segment (a
     # neighbour's burst, a pause) shows here as one outlier
     segment_p99_ms: list[float] = field(default_factory=list)
+    # per segment, what the gateway counted in it (PAUSE_COUNTERS' increments), if read
+    segment_pauses: list[dict[str, float]] = field(default_factory=list)
 
     @classmethod
     def of(cls, samples: list[Sample], chunks: int, cpu_s: float | None) -> Stats:
@@ -112,13 +136,18 @@ async def interleaved(targets: Sequence[Target], rate: float, seconds: float,
     samples: dict[str, list[Sample]] = {t.name: [] for t in targets}
     cpu: dict[str, float] = {t.name: 0.0 for t in targets}
     segments: dict[str, list[float]] = {t.name: [] for t in targets}
+    pauses: dict[str, list[dict[str, float]]] = {t.name: [] for t in targets}
     overloaded: set[str] = set()
     for k in range(max(1, round(seconds / segment_s))):
         for target in (targets if k % 2 == 0 else list(reversed(targets))):
             if target.name in overloaded:
                 continue
             before = target.cpu_seconds() if target.cpu_seconds else 0.0
+            paused = target.pauses() if target.pauses else None
             got = await open_loop(target.pool, rate, segment_s, cap)
+            if target.pauses and paused is not None:
+                now = target.pauses()
+                pauses[target.name].append({k: round(now[k] - paused[k], 6) for k in now})
             if target.cpu_seconds:
                 cpu[target.name] += target.cpu_seconds() - before
             samples[target.name] += got
@@ -130,6 +159,7 @@ async def interleaved(targets: Sequence[Target], rate: float, seconds: float,
            for t in targets}
     for name, stats in out.items():
         stats.segment_p99_ms = segments[name]
+        stats.segment_pauses = pauses[name]
     return out
 
 

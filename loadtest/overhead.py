@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import math
 import os
 import platform
@@ -37,6 +38,7 @@ from loadtest.measure import (
     Target,
     chat_request,
     interleaved,
+    scrape_pauses,
     sweep,
     warm_up,
 )
@@ -89,6 +91,21 @@ class Plan:
                    saturation_rounds=4, saturation_segment_s=1.0)
 
 
+def pause_note(p99s: list[float], pauses: list[dict[str, float]]) -> str:
+    """What the gateway counted in all segments, and in the one with the worst p99."""
+    def words(d: dict[str, float]) -> str:
+        return (f"{d['gc_long_pauses_total']:.0f} collector passes >= 5 ms "
+                f"({d['gc_pause_seconds_total'] * 1000:.1f} ms in passes), "
+                f"{d['loop_stalls_total']:.0f} loop stalls >= 5 ms "
+                f"({d['loop_stall_seconds_total'] * 1000:.1f} ms), "
+                f"{d['renew_beats_total']:.0f} renewal beats "
+                f"({d['renew_beat_seconds_total'] * 1000:.1f} ms)")
+    total = {k: sum(p[k] for p in pauses) for k in pauses[0]}
+    worst = max(range(len(pauses)), key=lambda i: p99s[i] if math.isfinite(p99s[i]) else -1)
+    return (f"in all segments {words(total)}; in the worst (#{worst + 1}, p99 "
+            f"{p99s[worst]:.2f} ms) {words(pauses[worst])}")
+
+
 def _table(title: str, stats: dict[str, Stats], direct: str) -> None:
     say(title)
     say(f"  {'target':<14}{'requests':>9}{'errors':>8}{'e2e p50':>11}{'e2e p99':>11}"
@@ -113,6 +130,9 @@ def _table(title: str, stats: dict[str, Stats], direct: str) -> None:
     spread = [f"{name} {min(v):.2f}-{max(v):.2f}" for name, v in finite.items() if len(v) > 1]
     if spread:
         say(f"  e2e p99 of single segments, lowest-highest (ms): {', '.join(spread)}")
+    for name, s in stats.items():
+        if s.segment_pauses:
+            say(f"  {name}: {pause_note(s.segment_p99_ms, s.segment_pauses)}")
     if any(s.client_lagged for s in stats.values()):
         say("  WARNING: the client fell behind its schedule (lag p99 > 5 ms): "
              "these figures are not reliable")
@@ -154,7 +174,7 @@ async def _bench(args: argparse.Namespace, plan: Plan, workdir: Path,
             redis.gateway_port = gw.port
         gateways.append(Target("sluice", Pool("127.0.0.1", gw.port,
                                               chat_request(gw.port, procs.BENCH_KEY)),
-                               gw.cpu_seconds))
+                               gw.cpu_seconds, functools.partial(scrape_pauses, gw.port)))
     if args.litellm:
         try:
             ll = procs.start_litellm(workdir, args.litellm, up.port,

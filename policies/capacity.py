@@ -11,19 +11,25 @@ replica's slots expire) and are renewed by the same loop.
     MemoryGate   one process
     RedisGate    ``sluice:{up:<name>}:slots`` ZSET request id -> expiry µs (Redis TIME),
                  ``sluice:{up:<name>}:tokens`` HASH request id -> tokens, ``_sum`` the total;
-                 one Lua script per acquire / release / renew.
+                 one Lua script per acquire / release / renew; each one that frees
+                 capacity (a release, expired slots swept) SPUBLISHes the count freed on
+                 the shard channel ``sluice:{up:<name>}:released`` (same hash tag: same
+                 slot), which wakes the other replicas' waiters (``release_events``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from policies.store import StoreError, ttl_us
 
 if TYPE_CHECKING:  # redis is imported only when a RedisGate is made
+    from redis.asyncio import Redis
+    from redis.asyncio.cluster import RedisCluster
     from redis.commands.core import AsyncScript
 
 US = 1_000_000
@@ -36,6 +42,11 @@ class CapacityGate(Protocol):
     async def release(self, upstream: str, request_id: str) -> bool: ...
 
     async def renew(self, upstream: str, request_id: str, ttl_s: float) -> bool: ...
+
+    async def renew_many(self, upstream: str, request_ids: Sequence[str],
+                         ttl_s: float) -> list[bool]:
+        """``renew`` of each id in one step (one round trip): the renewal beat's call."""
+        ...
 
     async def in_flight(self, upstream: str) -> tuple[int, int]:
         """(sequences, worst-case tokens) in flight now."""
@@ -79,6 +90,10 @@ class MemoryGate:
                              math.floor(self._clock() * US) + ttl_us(ttl_s))
         return True
 
+    async def renew_many(self, upstream: str, request_ids: Sequence[str],
+                         ttl_s: float) -> list[bool]:
+        return [await self.renew(upstream, rid, ttl_s) for rid in request_ids]
+
     async def in_flight(self, upstream: str) -> tuple[int, int]:
         slots = self._live(upstream)
         return len(slots), sum(t for t, _ in slots.values())
@@ -96,39 +111,58 @@ for _, r in ipairs(expired) do
   end
   redis.call('ZREM', KEYS[1], r)
 end
+local freed = #expired
+-- Tell the other replicas' waiters that capacity came back (KEYS[3], a shard channel of the
+-- same hash tag, so it lives on this slot's node). pcall: a notification never fails a gate
+-- decision; a lost one costs a waiter at most one fallback poll (policies/release_events).
+local function told(v)
+  if freed > 0 then redis.pcall('SPUBLISH', KEYS[3], tostring(freed)) end
+  return v
+end
 """
 _ACQUIRE = _PURGE + """
 local rid, tokens = ARGV[1], tonumber(ARGV[2])
 local cap_t, cap_s, ttl = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-if redis.call('ZSCORE', KEYS[1], rid) then return 1 end
+if redis.call('ZSCORE', KEYS[1], rid) then return told(1) end
 local n = redis.call('ZCARD', KEYS[1])
 local sum = tonumber(redis.call('HGET', KEYS[2], '_sum') or '0')
-if cap_s >= 0 and n >= cap_s then return 0 end
-if cap_t >= 0 and n > 0 and sum + tokens > cap_t then return 0 end
+if cap_s >= 0 and n >= cap_s then return told(0) end
+if cap_t >= 0 and n > 0 and sum + tokens > cap_t then return told(0) end
 redis.call('ZADD', KEYS[1], string.format('%.0f', now + ttl), rid)
 redis.call('HSET', KEYS[2], rid, tokens)
 redis.call('HINCRBY', KEYS[2], '_sum', tokens)
 local keep = math.ceil(ttl / 1000) + 60000
 redis.call('PEXPIRE', KEYS[1], keep)
 redis.call('PEXPIRE', KEYS[2], keep)
-return 1
+return told(1)
 """
 _RELEASE = _PURGE + """
-if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return told(0) end
 local tok = redis.call('HGET', KEYS[2], ARGV[1])
 if tok then
   redis.call('HINCRBY', KEYS[2], '_sum', -tonumber(tok))
   redis.call('HDEL', KEYS[2], ARGV[1])
 end
-return 1
+freed = freed + 1
+return told(1)
 """
 _RENEW = _PURGE + """
-if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
-redis.call('ZADD', KEYS[1], 'XX', string.format('%.0f', now + tonumber(ARGV[2])), ARGV[1])
-return 1
+-- ARGV: ttl_us, request_id...: every slot of one replica's beat in one call. A renewal that
+-- finds its slot gone frees nothing: whoever removed it (a release, or the sweep of an
+-- expired slot) has told already.
+local expiry, out = string.format('%.0f', now + tonumber(ARGV[1])), {}
+for i = 2, #ARGV do
+  if redis.call('ZSCORE', KEYS[1], ARGV[i]) then
+    redis.call('ZADD', KEYS[1], 'XX', expiry, ARGV[i])
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+end
+return told(out)
 """
 _IN_FLIGHT = _PURGE + """
-return {redis.call('ZCARD', KEYS[1]), tonumber(redis.call('HGET', KEYS[2], '_sum') or '0')}
+return told({redis.call('ZCARD', KEYS[1]), tonumber(redis.call('HGET', KEYS[2], '_sum') or '0')})
 """
 
 
@@ -136,11 +170,19 @@ class RedisGate:
     """The gate over Redis, sharing the quota store's connection pool."""
 
     def __init__(self, redis: object, key_prefix: str = "sluice",
-                 deadline_s: float = 0.5) -> None:
+                 deadline_s: float = 0.5, *, cluster: bool = False,
+                 permits: asyncio.Semaphore | None = None) -> None:
+        """``redis`` is the quota store's client (``RedisStore.client``): a Redis, or with
+        ``cluster`` a RedisCluster, whose connection bound ``permits`` it shares (each
+        script touches only its upstream's ``{up:<name>}`` slot)."""
         from redis.asyncio import Redis
+        from redis.asyncio.cluster import RedisCluster
 
-        assert isinstance(redis, Redis)
-        self._redis = redis
+        if not isinstance(redis, RedisCluster if cluster else Redis):
+            raise TypeError(f"RedisGate(cluster={cluster}) needs a "
+                            f"{'RedisCluster' if cluster else 'Redis'}, not {redis!r}")
+        self._redis: Redis | RedisCluster = redis
+        self._permits = permits
         self._deadline_s = deadline_s  # the whole call: a pooled connection, the script
         self._prefix = key_prefix
         self._acquire = redis.register_script(_ACQUIRE)
@@ -148,15 +190,26 @@ class RedisGate:
         self._renew = redis.register_script(_RENEW)
         self._in_flight = redis.register_script(_IN_FLIGHT)
 
+    @property
+    def client(self) -> Redis | RedisCluster:
+        """The client the scripts run on (release events subscribe next to it)."""
+        return self._redis
+
+    def channel(self, upstream: str) -> str:
+        """The shard channel the scripts publish on whenever they free capacity of
+        ``upstream`` (a release, or expired slots swept): its keys' hash tag, its slot."""
+        return self._keys(upstream)[2]
+
     def _keys(self, upstream: str) -> list[str]:
         tag = "{up:" + upstream.replace("{", "(").replace("}", ")") + "}"
-        return [f"{self._prefix}:{tag}:slots", f"{self._prefix}:{tag}:tokens"]
+        return [f"{self._prefix}:{tag}:slots", f"{self._prefix}:{tag}:tokens",
+                f"{self._prefix}:{tag}:released"]  # KEYS[3]: a shard channel, not a key
 
     async def _call(self, script: AsyncScript, upstream: str, args: list[str | int]) -> object:
         from policies.redis_store import guarded
 
         return await guarded(self._redis, self._deadline_s,
-                             script(keys=self._keys(upstream), args=args))
+                             script(keys=self._keys(upstream), args=args), self._permits)
 
     async def acquire(self, upstream: str, request_id: str, tokens: int,
                       cap_tokens: int | None, cap_seqs: int | None, ttl_s: float) -> bool:
@@ -169,7 +222,16 @@ class RedisGate:
         return bool(await self._call(self._release, upstream, [request_id]))
 
     async def renew(self, upstream: str, request_id: str, ttl_s: float) -> bool:
-        return bool(await self._call(self._renew, upstream, [request_id, ttl_us(ttl_s)]))
+        return (await self.renew_many(upstream, [request_id], ttl_s))[0]
+
+    async def renew_many(self, upstream: str, request_ids: Sequence[str],
+                         ttl_s: float) -> list[bool]:
+        if not request_ids:
+            return []
+        out = await self._call(self._renew, upstream, [ttl_us(ttl_s), *request_ids])
+        if not isinstance(out, list) or len(out) != len(request_ids):
+            raise StoreError(f"renew answered {out!r}")
+        return [bool(v) for v in out]
 
     async def in_flight(self, upstream: str) -> tuple[int, int]:
         out = await self._call(self._in_flight, upstream, [])

@@ -14,7 +14,7 @@ import heapq
 import itertools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from policies import buckets, hold
@@ -146,6 +146,10 @@ class MemoryStore:
         r.expires_us = now + ttl
         heapq.heappush(t.expiry, (r.expires_us, request_id))
         return True
+
+    async def renew_many(self, tenant: str, request_ids: Sequence[str],
+                         lease_ttl_s: float) -> list[bool]:
+        return [await self.renew(tenant, rid, lease_ttl_s) for rid in request_ids]
 
     async def settle(self, tenant: str, request_id: str, actual_tokens: int) -> bool:
         check_tokens(actual_tokens)

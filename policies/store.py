@@ -30,6 +30,7 @@ Invariants both implementations keep (one shared test suite checks them):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from policies.quotas import Decision, Quotas
@@ -61,6 +62,12 @@ class Store(Protocol):
 
     async def renew(self, tenant: str, request_id: str, lease_ttl_s: float) -> bool:
         """Set the lease's expiry to now + ttl; False if unknown, settled or expired."""
+        ...
+
+    async def renew_many(self, tenant: str, request_ids: Sequence[str],
+                         lease_ttl_s: float) -> list[bool]:
+        """``renew`` of each id, in one atomic step (one round trip): the renewal beat's
+        call, one per tenant."""
         ...
 
     async def settle(self, tenant: str, request_id: str, actual_tokens: int) -> bool:

@@ -31,14 +31,14 @@ Invariants both implementations keep (tests/policies/test_tenant_store.py checks
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, Literal, Protocol, cast
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, TypeVar, cast
 
-from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
-from policies.redis_store import connect, guarded, lua_source
+from policies.redis_store import Client, connect, guarded, lua_source, permits, ping_all
 from policies.store import StoreError
 
 Role = Literal["user", "tenant_admin"]
@@ -108,7 +108,10 @@ class KeyRecord:
     created: int  # epoch seconds (the writer's clock; informational)
 
     def to_json(self) -> str:
-        return canonical(asdict(self))
+        # A dict literal, not dataclasses.asdict (a deep copy, which was half of the time
+        # seeding 100,000 keys took: gateway/bench_tenants.py).
+        return canonical({"created": self.created, "digest": self.digest, "id": self.id,
+                          "role": self.role, "tenant": self.tenant})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> KeyRecord:
@@ -124,8 +127,9 @@ class KeyRecord:
             raise ValueError("a key record's created is an integer")
         if role not in ROLES:
             raise ValueError(f"unknown key role {role!r}")
-        return cls(id=kid, tenant=tenant, role=role, digest=digest,
-                   created=created)
+        # one string per tenant id and per role, not one per key (100,000 keys: ~11 MB)
+        return cls(id=kid, tenant=sys.intern(tenant), role=ROLES[ROLES.index(role)],
+                   digest=digest, created=created)
 
 
 @dataclass(slots=True, frozen=True)
@@ -134,24 +138,51 @@ class Snapshot:
     tenants: dict[str, Record]
     keys: dict[str, KeyRecord]  # by key id
     unreadable: tuple[str, ...] = ()  # ids of records that cannot be read (skipped)
+    # The stored texts, by id, so that the next snapshot reuses what this one parsed of
+    # every record whose text did not change (``parse``'s ``previous``).
+    tenant_texts: Mapping[str, str | bytes] = field(default_factory=dict, compare=False,
+                                                    repr=False)
+    key_texts: Mapping[str, str | bytes] = field(default_factory=dict, compare=False,
+                                                 repr=False)
 
     @classmethod
-    def parse(cls, version: int, tenants: dict[str, str | bytes],
-              keys: dict[str, str | bytes]) -> Snapshot:
-        records: dict[str, Record] = {}
-        key_records: dict[str, KeyRecord] = {}
+    def parse(cls, version: int, tenants: Mapping[str, str | bytes],
+              keys: Mapping[str, str | bytes], previous: Snapshot | None = None) -> Snapshot:
+        """Parse the stored texts, taking from ``previous`` every record whose text is the
+        same there: a reload after one change parses one record, not 110,000, and the
+        records it did not parse are the very objects of ``previous`` (so ``view_of``'s
+        compare of records is cheap). The texts are copied: the caller may change its
+        mappings later."""
         bad: list[str] = []
-        for tid, text in tenants.items():
-            try:
-                records[tid] = parse_record(text)
-            except ValueError:  # UnicodeDecodeError included
-                bad.append(tid)
-        for kid, text in keys.items():
-            try:
-                key_records[kid] = KeyRecord.from_json(text)
-            except ValueError:
-                bad.append(kid)
-        return cls(version, records, key_records, tuple(bad))
+        tenant_texts, key_texts = dict(tenants), dict(keys)
+        records = _parse_all(tenant_texts, previous.tenant_texts if previous else {},
+                             previous.tenants if previous else {}, parse_record, bad)
+        key_records = _parse_all(key_texts, previous.key_texts if previous else {},
+                                 previous.keys if previous else {}, KeyRecord.from_json, bad)
+        return cls(version, records, key_records, tuple(bad), tenant_texts, key_texts)
+
+
+T = TypeVar("T")
+
+
+def _parse_all(texts: Mapping[str, str | bytes], old_texts: Mapping[str, str | bytes],
+               old: dict[str, T], parse: Callable[[str | bytes], T], bad: list[str]
+               ) -> dict[str, T]:
+    """``parse`` of every text (ValueError: its id goes to ``bad``), reusing ``old``'s
+    record where the text is ``old_texts``'s."""
+    if texts == old_texts:  # nothing changed: one compare in C, no parse
+        bad.extend(i for i in texts if i not in old)
+        return old
+    out: dict[str, T] = {}
+    for rid, text in texts.items():
+        if old_texts.get(rid) == text and rid in old:
+            out[rid] = old[rid]
+            continue
+        try:
+            out[rid] = parse(text)
+        except ValueError:  # UnicodeDecodeError included
+            bad.append(rid)
+    return out
 
 
 class TenantStore(Protocol):
@@ -160,7 +191,8 @@ class TenantStore(Protocol):
         ...
 
     async def snapshot(self) -> Snapshot:
-        """Version and every record, read atomically."""
+        """Version and every record, read atomically. A record whose stored text did not
+        change since this store's last snapshot is reused from it, not parsed again."""
         ...
 
     async def get_tenant(self, tenant_id: str) -> Record | None:
@@ -206,6 +238,7 @@ class MemoryTenantStore:
         self._records: dict[str, str] = {}
         self._keys: dict[str, str] = {}
         self._deleted: set[str] = set()
+        self._last: Snapshot | None = None  # reused by the next snapshot()
 
     def _bump(self) -> int:
         self._version += 1
@@ -215,7 +248,8 @@ class MemoryTenantStore:
         return self._version
 
     async def snapshot(self) -> Snapshot:
-        return Snapshot.parse(self._version, dict(self._records), dict(self._keys))
+        self._last = Snapshot.parse(self._version, self._records, self._keys, self._last)
+        return self._last
 
     async def get_tenant(self, tenant_id: str) -> Record | None:
         text = self._records.get(tenant_id)
@@ -292,45 +326,64 @@ class MemoryTenantStore:
         return None
 
 
+SEED_BATCH = 1_000  # records per seeding script
+# A snapshot's deadline and read timeout: it reads every record (100,000 keys: 200,000 reply
+# elements, which redis-py without hiredis parses in seconds on a slow core), off the
+# request path (the poller, an admin list): the request path's timeout does not fit it.
+BULK_DEADLINE_S = 10.0
 _SCRIPTS = ("tenant_create", "tenant_replace", "tenant_delete", "key_add", "key_delete",
             "tenants_seed")
+
 
 
 class RedisTenantStore:
     """The tenant store over Redis (layout: ``policies/lua/tenants_lib.lua``); every write is
     one Lua script, every Redis failure or overrun ``StoreUnavailable``."""
 
+    _last: Snapshot | None = None  # the last snapshot(), reused by the next (set per instance)
+
     def __init__(self, url: str, *, timeout_s: float = 0.25, key_prefix: str = "sluice",
-                 max_connections: int = 8) -> None:
+                 max_connections: int = 8, cluster: bool = False) -> None:
         if "{" in key_prefix or "}" in key_prefix:
             raise ValueError("key_prefix must not contain braces (they set the hash tag)")
-        # The quota store's connection settings and whole-call deadline.
+        # The quota store's connection settings and whole-call deadline. On a cluster the
+        # whole registry is one slot (one master): every script and the snapshot's MULTI
+        # touch only {registry:tenants}.
         self._deadline_s = 2 * timeout_s
-        self._redis: Redis = connect(url, timeout_s, max_connections)
+        self._redis: Client = connect(url, timeout_s, max_connections, cluster=cluster)
+        self._permits = permits(self._redis, max_connections)
         tag = f"{key_prefix}:{{registry:tenants}}"
         self.keys = [f"{tag}:{k}" for k in ("version", "records", "keys", "deleted")]
         lib = lua_source("tenants_lib")
         self._scripts: dict[str, AsyncScript] = {
             name: self._redis.register_script(lib + "\n" + lua_source(name))
             for name in _SCRIPTS}
+        # snapshot()'s own client: redis-py bounds a whole reply's parse by the socket
+        # timeout, and 100,000 keys parse for longer than a request-path timeout
+        self._bulk: Client = connect(url, BULK_DEADLINE_S, 1, cluster=cluster)
+        self._bulk_permits = permits(self._bulk, 1)
 
     async def version(self) -> int:
         raw = await self._guard(self._redis.get(self.keys[0]))
         return int(raw or 0)
 
     async def snapshot(self) -> Snapshot:
+        """On the bulk client, within ``BULK_DEADLINE_S``; records whose text did not change
+        since the last snapshot are reused, not parsed again."""
         async def read() -> list[Any]:
-            async with self._redis.pipeline(transaction=True) as pipe:
+            async with self._bulk.pipeline(transaction=True) as pipe:
                 pipe.get(self.keys[0])
                 pipe.hgetall(self.keys[1])
                 pipe.hgetall(self.keys[2])
                 return await pipe.execute()
 
-        version, records, keys = await self._guard(read())
+        version, records, keys = await guarded(self._bulk, BULK_DEADLINE_S, read(),
+                                               self._bulk_permits)
         # a field name written by hand may not be UTF-8: its record is then refused by id
-        return Snapshot.parse(int(version or 0),
-                              {k.decode(errors="replace"): v for k, v in records.items()},
-                              {k.decode(errors="replace"): v for k, v in keys.items()})
+        self._last = Snapshot.parse(
+            int(version or 0), {k.decode(errors="replace"): v for k, v in records.items()},
+            {k.decode(errors="replace"): v for k, v in keys.items()}, self._last)
+        return self._last
 
     async def get_tenant(self, tenant_id: str) -> Record | None:
         raw = await self._guard(self._redis.hget(self.keys[1], tenant_id))
@@ -374,24 +427,44 @@ class RedisTenantStore:
         return version
 
     async def seed(self, tenants: Sequence[Record], keys: Sequence[KeyRecord]) -> int:
-        args: list[str] = [str(len(tenants))]
-        for record in tenants:
-            args += [str(record["id"]), canonical(record)]
-        for key in keys:
-            args += [key.id, key.tenant, key.to_json()]
-        return await self._run("tenants_seed", *args)
+        """In batches of ``SEED_BATCH`` records, one script and one argument each
+        (``tenants_seed.lua``): every batch stays within the deadline and holds Redis for
+        milliseconds, at 100,000 keys too. Each batch writes only absent records, so the
+        batches need not be one atomic step: a seed cut short by an outage is finished by
+        the next (the registry seeds until one succeeds). Tenants go first, so key batches
+        find them."""
+        tenant_fields = [(str(r["id"]), canonical(r)) for r in tenants]  # refuses a bad
+        key_fields = [(k.id, k.tenant, k.to_json()) for k in keys]  # record before any write
+        batches = [("t", _lines(tenant_fields[i:i + SEED_BATCH]))
+                   for i in range(0, len(tenant_fields), SEED_BATCH)]
+        batches += [("k", _lines(key_fields[i:i + SEED_BATCH]))
+                    for i in range(0, len(key_fields), SEED_BATCH)]
+        written = 0
+        for kind, text in batches or [("t", "")]:  # seeding nothing still marks the store
+            written += await self._run("tenants_seed", kind, text)
+        return written
 
     async def ping(self) -> None:
-        await self._guard(self._redis.ping())
+        await self._guard(ping_all(self._redis))
 
     async def close(self) -> None:
         await self._redis.aclose()
+        await self._bulk.aclose()
 
     async def _run(self, script: str, *args: str) -> int:
         return int(await self._guard(self._scripts[script](keys=self.keys, args=args)))
 
     async def _guard(self, call: Any) -> Any:
-        return await guarded(self._redis, self._deadline_s, call)
+        return await guarded(self._redis, self._deadline_s, call, self._permits)
+
+
+def _lines(rows: Sequence[tuple[str, ...]]) -> str:
+    """Fields one a line (``tenants_seed.lua``); ValueError for a field that is empty or
+    holds a newline (validated ids and canonical JSON never do)."""
+    fields = [f for row in rows for f in row]
+    if any(not f or "\n" in f for f in fields):
+        raise ValueError("a seeded id or record is empty or holds a newline")
+    return "\n".join(fields)
 
 
 def _readable(tenant_id: str, text: str | bytes) -> Record:

@@ -16,7 +16,8 @@ local K_BUCKET, K_BUDGET, K_LEASES, K_RESV, K_DONE = KEYS[1], KEYS[2], KEYS[3], 
 local K_STARTS = KEYS[6]
 local US = 1000000
 local DAY_US = 86400 * US
-local KEEP_MS = 40 * 86400 * 1000  -- budget, leases, resv live 40 days past their last write
+local KEEP_MS = 40 * 86400 * 1000  -- budget, leases, resv live 39-40 days past their last write
+local DAY_MS = 86400 * 1000
 
 local function int(x) return string.format('%.0f', x) end
 
@@ -104,10 +105,27 @@ local function reset_us(level, cap)
   return math.ceil(need * 60 / cap)
 end
 
-local function save_bucket(name, level, now, cap)
-  redis.call('HSET', K_BUCKET, name .. '_lvl', int(level), name .. '_ts', int(now),
-             name .. '_cap', int(cap))
-  extend(K_BUCKET, math.ceil(reset_us(level, cap) / 1000) + 60000)  -- gone 1 min after full
+-- Save buckets {name, level, cap} (a nil level: not charged, skipped) in one HSET; the key
+-- goes 1 min after the last of them is full again.
+local function save_buckets(now, list)
+  local fields, full_us = {}, nil
+  for _, b in ipairs(list) do
+    local name, level, cap = b[1], b[2], b[3]
+    if level then
+      for _, v in ipairs({name .. '_lvl', int(level), name .. '_ts', int(now),
+                          name .. '_cap', int(cap)}) do fields[#fields + 1] = v end
+      full_us = math.max(full_us or 0, reset_us(level, cap))
+    end
+  end
+  if not full_us then return end
+  redis.call('HSET', K_BUCKET, unpack(fields))
+  extend(K_BUCKET, math.ceil(full_us / 1000) + 60000)
+end
+
+-- Keep a key 39-40 days past its last write with one PEXPIRE a day at most: a read (PTTL)
+-- per call instead of a write, which would also go to every replica.
+local function keep(key, ms)
+  if redis.call('PTTL', key) < ms - DAY_MS then redis.call('PEXPIRE', key, int(ms)) end
 end
 
 -- Close reservation `rid` (record `rec`): its periods move from reserved to used (used +=

@@ -1,11 +1,19 @@
--- renew.lua: set a live lease's (and its reservation's) expiry to now + ttl (after lib.lua).
--- ARGV: request_id, lease_ttl_us. Returns 1, or 0 if unknown, settled or expired.
-local rid, ttl = ARGV[1], tonumber(ARGV[2])
+-- renew.lua: set live leases' expiry to now + ttl (after lib.lua), all of one tenant's
+-- in one call: the renewal beat makes one round trip per tenant, not one per request.
+-- ARGV: lease_ttl_us, request_id... Returns one 1 per id, or 0 if unknown, settled or
+-- expired. The keys' own TTLs are not touched: reserve set them 40 days past its write,
+-- which outlives any lease it renews.
+local ttl = tonumber(ARGV[1])
 local now = now_us()
 sweep(now)
-if not live_expiry(rid, now) then return 0 end
-redis.call('ZADD', K_LEASES, 'XX', int(now + ttl), rid)
-redis.call('PEXPIRE', K_LEASES, int(KEEP_MS + math.ceil(ttl / 1000)))
-redis.call('PEXPIRE', K_STARTS, int(KEEP_MS + math.ceil(ttl / 1000)))
-redis.call('PEXPIRE', K_RESV, int(KEEP_MS + math.ceil(ttl / 1000)))
-return 1
+local out = {}
+for i = 2, #ARGV do
+  local rid = ARGV[i]
+  if live_expiry(rid, now) then
+    redis.call('ZADD', K_LEASES, 'XX', int(now + ttl), rid)
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+end
+return out

@@ -60,19 +60,23 @@ if denied then
   redis.call('HINCRBY', K_BUDGET, d .. ':x:' .. denied, 1)
 else
   granted = 1
-  if tl then tl = tl - cost * US; save_bucket('tpm', tl, now, tpm) end
-  if rl then rl = rl - US; save_bucket('rpm', rl, now, rpm) end
+  if tl then tl = tl - cost * US end
+  if rl then rl = rl - US end
+  save_buckets(now, {{'tpm', tl, tpm}, {'rpm', rl, rpm}})
   redis.call('HINCRBY', K_BUDGET, d .. ':r', int(cost))
   redis.call('HINCRBY', K_BUDGET, d .. ':n', 1)
   redis.call('HINCRBY', K_BUDGET, m .. ':r', int(cost))
   redis.call('ZADD', K_LEASES, int(now + ttl), rid)
   redis.call('ZADD', K_STARTS, int(now), rid)
   redis.call('HSET', K_RESV, rid, int(cost) .. ' ' .. p.day .. ' ' .. p.month .. ' ' .. int(tpm))
-  redis.call('PEXPIRE', K_LEASES, int(KEEP_MS + math.ceil(ttl / 1000)))
-  redis.call('PEXPIRE', K_STARTS, int(KEEP_MS + math.ceil(ttl / 1000)))
-  redis.call('PEXPIRE', K_RESV, int(KEEP_MS + math.ceil(ttl / 1000)))
+  -- leases, starts and resv hold the same ids (written and closed together), so they
+  -- are created, emptied and deleted together: one PTTL guards the three.
+  local keep_ms = KEEP_MS + math.ceil(ttl / 1000)
+  if redis.call('PTTL', K_RESV) < keep_ms - DAY_MS then
+    for _, k in ipairs({K_LEASES, K_STARTS, K_RESV}) do redis.call('PEXPIRE', k, int(keep_ms)) end
+  end
 end
-redis.call('PEXPIRE', K_BUDGET, int(KEEP_MS))
+keep(K_BUDGET, KEEP_MS)
 
 local function rate(level, cap)
   if not level then return -1, -1 end

@@ -15,7 +15,7 @@ tokens, charged = tonumber(tokens), tonumber(charged)
 if charged >= 0 then
   local cap = tonumber(redis.call('HGET', K_BUCKET, 'tpm_cap')) or charged
   local level = math.min(level_of('tpm', cap, now) + (tokens - actual) * US, cap * US)
-  save_bucket('tpm', level, now, cap)
+  save_buckets(now, {{'tpm', level, cap}})
 end
 local began = redis.call('ZSCORE', K_STARTS, rid)
 if actual > 0 and began then observe_hold(now - tonumber(began)) end

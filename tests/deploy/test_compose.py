@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"
 COMPOSE = DOCKER / "compose.yaml"
 SERVICES = {"redis", "backend", "gateway", "nginx", "otel-collector", "jaeger", "prometheus",
-            "vllm"}
+            "vllm", "redis-cluster-init", "gateway-cluster",
+            *(f"redis-c{i}" for i in range(1, 7))}
 
 
 def compose_bin() -> str:
@@ -45,7 +46,7 @@ def compose(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=60, check=False)
 
 
-@pytest.mark.parametrize("extra", [[], ["--profile", "vllm"],
+@pytest.mark.parametrize("extra", [[], ["--profile", "vllm"], ["--profile", "cluster"],
                                    ["-f", str(DOCKER / "compose.ui.yaml")]])
 def test_docker_compose_validates_the_file(extra: list[str]) -> None:
     proc = compose(*extra, "config", "-q")
@@ -96,6 +97,29 @@ def test_tracing_goes_to_jaeger_through_the_collector() -> None:
     assert collector["exporters"]["otlp/jaeger"]["endpoint"] == "jaeger:4317"
     scraped = (DOCKER / "prometheus.yml").read_text()
     assert all(f"names: [{s}]" in scraped for s in ("gateway", "backend", "vllm"))
+
+
+def test_the_cluster_profile_runs_six_nodes_and_gateways_in_cluster_mode() -> None:
+    proc = compose("--profile", "cluster", "config")
+    assert proc.returncode == 0, proc.stderr
+    services = yaml.safe_load(proc.stdout)["services"]
+    nodes = {f"redis-c{i}" for i in range(1, 7)}
+    assert nodes | {"redis-cluster-init", "gateway-cluster"} <= set(services)
+    for name in nodes:
+        command = " ".join(services[name]["command"])
+        assert "--cluster-enabled yes" in command
+        assert "--cluster-require-full-coverage no" in command  # one failed master stops
+        assert "healthcheck" in services[name]                   # only its own slots
+    init = services["redis-cluster-init"]
+    assert set(init["depends_on"]) == nodes
+    assert "--cluster-replicas 1" in init["command"][0]
+    gw = services["gateway-cluster"]
+    assert gw["depends_on"]["redis-cluster-init"]["condition"] \
+        == "service_completed_successfully"
+    assert "gateway" in gw["networks"]["default"]["aliases"]  # what nginx resolves
+    env = {k: str(v) for k, v in gw["environment"].items()}
+    config = load_gateway_config(DOCKER / "config" / "gateway.yaml", env=env)
+    assert config.store.cluster and config.store.url == "redis://redis-c1:6379"
 
 
 def test_the_vllm_profile_passes_priority_and_cache_salt() -> None:

@@ -55,6 +55,8 @@ def write(tmp_path: Path, name: str, text: str) -> Path:
     ("models: [{name: a, upstream: 'http://x'}]\nunknown_key: 1", "unknown_key"),
     ("models: [{name: a, upstream: 'http://x'}]\nqueue: {reserve_share: 1}",
      "queue.reserve_share"),
+    (("models: [{name: a, upstream: 'http://x'}]\nresilience: {breaker: {ramp_s: 1, "
+      "ramp_start_rps: 2}}"), "resilience.breaker"),  # a ramp step of 0.2 requests
     ("- just a list", "mapping"),
     ("models: [", "not valid YAML"),
 ])
@@ -111,3 +113,57 @@ def test_the_queue_reserve_reaches_every_upstreams_queue(tmp_path: Path) -> None
     for q in gw.queues.values():
         assert (q.reserve.share, q.reserve.priority) == (0.25, 2)
         assert q.reserve.urgent(2) and not q.reserve.urgent(3)
+
+
+def test_the_breaker_ramp_settings_reach_every_member(tmp_path: Path) -> None:
+    from gateway.service import build_gateway
+
+    path = write(tmp_path, "g.yaml", "models: [{name: a, upstreams: ['http://127.0.0.1:1', "
+                 "'http://127.0.0.1:2']}]\nresilience: {breaker: {ramp_s: 0}}")
+    gw = build_gateway(load_gateway_config(path, env={}), demo_tenants())
+    members = gw.upstreams["a"].members
+    assert len(members) == 2
+    assert all(m.breaker.policy.ramp_s == 0 for m in members)
+    path.write_text("models: [{name: a, upstream: 'http://127.0.0.1:1'}]\n"
+                    "resilience: {breaker: {ramp_s: 20, ramp_start_rps: 0.5}}")
+    [m] = build_gateway(load_gateway_config(path, env={}), demo_tenants()).upstreams["a"].members
+    assert (m.breaker.policy.ramp_s, m.breaker.policy.ramp_start_rps) == (20, 0.5)
+
+
+@pytest.mark.parametrize(("value", "cluster"), [("1", True), ("yes", True), ("0", False),
+                                                ("", False), ("off", False)])
+def test_sluice_redis_cluster_turns_cluster_mode_on(value: str, cluster: bool) -> None:
+    cfg = load_gateway_config(CONFIGS / "gateway.yaml", env={
+        "SLUICE_REDIS_URL": "redis://10.0.0.7:7000", "SLUICE_REDIS_CLUSTER": value})
+    assert cfg.store.cluster is cluster and cfg.store.url == "redis://10.0.0.7:7000"
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"SLUICE_REDIS_CLUSTER": "1"}, "store.cluster needs store.url"),
+    ({"SLUICE_REDIS_CLUSTER": "1", "SLUICE_REDIS_URL": "redis://h:7000/3"}, "database 0 only"),
+    ({"SLUICE_REDIS_CLUSTER": "maybe", "SLUICE_REDIS_URL": "redis://h:7000"}, "store.cluster"),
+])
+def test_a_bad_cluster_setting_is_named(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_gateway_config(CONFIGS / "gateway.yaml", env=env)
+
+
+def test_sluice_up_redis_cluster_flag_sets_cluster_mode(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from gateway.cli import up_config
+    from gateway.config import ModelEntry
+
+    for name in ("SLUICE_REDIS_URL", "SLUICE_REDIS_CLUSTER"):
+        monkeypatch.delenv(name, raising=False)
+    entry = ModelEntry(name="m", upstream="http://127.0.0.1:1")
+    args = argparse.Namespace(host="127.0.0.1", port=8000, tenants=None,
+                              redis="redis://127.0.0.1:7000/0", redis_cluster=True)
+    cfg = up_config(args, entry)
+    assert cfg.store.cluster and cfg.store.url == "redis://127.0.0.1:7000/0"
+    args.redis_cluster = False
+    assert not up_config(args, entry).store.cluster
+    args.redis, args.redis_cluster = None, True
+    with pytest.raises(ConfigError, match="store.cluster needs store.url"):
+        up_config(args, entry)

@@ -262,3 +262,110 @@ def test_a_pin_is_routed_only_among_the_members_serving_its_revision() -> None:
     # a pinned retry never leaves the pin's members
     with pytest.raises(AllOpen):
         router.pick(100, exclude=frozenset({members[1].key, members[2].key}), pin="d" * 8)
+
+
+def _recovered_member_share(policy: Any) -> tuple[int, int, bool]:
+    """Least-load routing right after one member's breaker went half-open → closed, on a
+    fake loop clock (aiolimiter's): the other member is busy with 50 requests; 100 new ones
+    arrive 10 ms apart and stay in flight. How many went to the recovered member in that
+    first second, how many of the next 10 at once after ``ramp_s``, and whether it was
+    still paced then."""
+    import asyncio
+
+    from gateway.http_client import Pool
+    from gateway.pool import Router, build_members
+
+    class FakeTimeLoop(asyncio.SelectorEventLoop):
+        now = 1000.0
+
+        def time(self) -> float:
+            return self.now
+
+    loop = FakeTimeLoop()
+
+    async def main() -> tuple[int, int, bool]:
+        entry = ModelEntry(name="m", upstreams=[f"http://127.0.0.1:{9000 + i}"
+                                                for i in range(2)],
+                           routing="least_load")  # type: ignore[arg-type]
+        pools = [Pool(m.url, max_connections=1, connect_s=1, read_s=1) for m in entry.members]
+        a, b = members = build_members(entry, pools, policy, loop.time)
+        b.inflight_tokens, b.inflight_requests = 50 * 100, 50
+        a.breaker.record(a.breaker.try_pass(), "failure")  # type: ignore[arg-type]
+        assert a.breaker.state == "open"
+        loop.now += policy.cooldown_s
+        probe = a.breaker.try_pass()
+        assert probe is not None and probe.probe
+        a.breaker.record(probe, "success")
+        assert a.breaker.state == "closed"
+        router = Router(entry, members)
+
+        def route(n: int, every_s: float) -> int:
+            to_a = 0
+            for _ in range(n):
+                m, _ = router.pick(100)
+                m.inflight_tokens += 100
+                m.inflight_requests += 1
+                to_a += m is a
+                loop.now += every_s
+            return to_a
+
+        first = route(100, 0.01)
+        loop.now += policy.ramp_s
+        paced_after = a.paced() or a.ramp is not None
+        return first, route(10, 0.0), paced_after
+
+    try:
+        return loop.run_until_complete(main())
+    finally:
+        loop.close()
+
+
+def test_a_member_whose_breaker_just_closed_is_ramped_not_flooded() -> None:
+    """Side by side, the same arrivals: without a ramp (ramp_s=0, the behaviour before the
+    ramp) the recovered member, idle, takes every new request until its load matches the
+    busy one's: 75 of the 100 in its first second. With the default ramp (2 rps doubling
+    each second for 10 s, aiolimiter) it takes 3; the rest go to the other member."""
+    from policies.breaker import BreakerPolicy
+
+    flood = _recovered_member_share(BreakerPolicy(consecutive_failures=1, ramp_s=0.0))
+    assert flood == (75, 5, False)  # the first 50 straight, then in turn; unpaced
+    ramped = _recovered_member_share(BreakerPolicy(consecutive_failures=1))
+    assert ramped[0] == 3  # a burst of 2, then 2 per second
+    # after ramp_s the ramp is gone and least load rules again: the idle member takes all
+    assert ramped[1:] == (10, False)
+
+
+def test_a_lone_member_is_routed_over_its_ramp_and_a_reopen_drops_the_ramp() -> None:
+    import asyncio
+
+    from gateway.http_client import Pool
+    from gateway.pool import Router, build_members
+    from policies.breaker import BreakerPolicy
+
+    async def main() -> None:
+        entry = ModelEntry(name="m", upstream="http://127.0.0.1:9000")  # type: ignore[arg-type]
+        pools = [Pool(m.url, max_connections=1, connect_s=1, read_s=1) for m in entry.members]
+        now = [100.0]
+        policy = BreakerPolicy(consecutive_failures=1, cooldown_s=0.0)
+        (lone,) = members = build_members(entry, pools, policy, lambda: now[0])
+        router = Router(entry, members)
+
+        def fail_then_close() -> None:
+            lone.breaker.record(lone.breaker.try_pass(), "failure")  # type: ignore[arg-type]
+            probe = lone.breaker.try_pass()  # cooldown 0: half-open at once
+            assert probe is not None and probe.probe
+            lone.breaker.record(probe, "success")
+
+        fail_then_close()
+        assert lone.ramp is not None
+        # no other member: it takes every request, over its ramp (its capacity gate bounds it)
+        assert all(router.pick(100)[0] is lone for _ in range(20))
+        assert lone.paced()
+        lone.breaker.record(lone.breaker.try_pass(), "failure")  # type: ignore[arg-type]
+        assert lone.ramp is None  # open again: no ramp until the next close
+        probe = lone.breaker.try_pass()
+        assert probe is not None
+        lone.breaker.record(probe, "success")
+        assert lone.ramp is not None and not lone.paced()  # a fresh ramp, with room
+
+    asyncio.run(main())

@@ -1,5 +1,6 @@
-"""Three `sluice gateway` processes sharing one Redis: no overshoot, exact settlement, and
-a killed replica's leases and reservations expire by themselves."""
+"""Three `sluice gateway` processes sharing one Redis, or one Redis Cluster (3 masters + 3
+replicas, tests/cluster.py): no overshoot, exact settlement, and a killed replica's leases
+and reservations expire by themselves."""
 
 from __future__ import annotations
 
@@ -23,7 +24,10 @@ from gateway.tenants import hash_key
 from gateway.tokens import ByteCounter
 from policies.redis_store import RedisStore
 from tests.backend.server.conftest import free_port
+from tests.cluster import redis_cluster
 from tests.policies.conftest import RedisServer
+
+__all__ = ["redis_cluster"]  # the session's cluster, for the "cluster" stack
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "sk-acme"
@@ -33,10 +37,15 @@ LEASE_TTL_S = 2.0
 
 @dataclass
 class Stack:
-    redis: RedisServer
+    redis_url: str
+    cluster: bool
     gateways: list[subprocess.Popen[bytes]]
     urls: list[str]
     tenant: str
+
+    def store(self) -> RedisStore:
+        """A store of the gateways' Redis (or cluster), to read what they left there."""
+        return RedisStore(self.redis_url, timeout_s=1.0, cluster=self.cluster)
 
 
 def wait_http(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
@@ -53,11 +62,18 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
     raise RuntimeError(f"{url} did not start:\n{log.read_text()}")
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+@pytest.fixture(scope="module", params=["redis", "cluster"])
+def stack(request: pytest.FixtureRequest,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("replicas")
-    redis = RedisServer(tmp)
-    redis.start()
+    cluster = request.param == "cluster"
+    redis: RedisServer | None = None
+    if cluster:
+        url = request.getfixturevalue("redis_cluster").url
+    else:
+        redis = RedisServer(tmp)
+        redis.start()
+        url = redis.url
     procs: list[subprocess.Popen[bytes]] = []
     try:
         up_port = free_port()
@@ -68,7 +84,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
              "--chunks", "20", "--delay-ms", "50"], cwd=REPO, stdout=log.open("wb"),
             stderr=subprocess.STDOUT))
         wait_http(f"http://127.0.0.1:{up_port}/health", procs[0], log)
-        tenant = f"acme{os.getpid()}"
+        tenant = f"acme{os.getpid()}{request.param}"  # the cluster is the session's
         (tmp / "tenants.yaml").write_text(json.dumps({"tenants": [{
             "id": tenant, "keys": [hash_key(KEY)], "quotas": {"tokens_per_minute": TPM}}]}))
         urls = []
@@ -78,7 +94,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             cfg.write_text(json.dumps({
                 "listen": {"host": "127.0.0.1", "port": port},
                 "tenants_file": "tenants.yaml",
-                "store": {"url": redis.url, "replicas": 3, "timeout_s": 1.0},
+                "store": {"url": url, "cluster": cluster, "replicas": 3, "timeout_s": 1.0},
                 "admission": {"lease_ttl_s": LEASE_TTL_S},
                 "models": [{"name": "fake", "upstream": f"http://127.0.0.1:{up_port}",
                             "kind": "openai", "tokenizer": "bytes"}]}))
@@ -89,7 +105,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             procs.append(proc)
             wait_http(f"http://127.0.0.1:{port}/healthz", proc, log)
             urls.append(f"http://127.0.0.1:{port}")
-        yield Stack(redis, procs[1:], urls, tenant)
+        yield Stack(url, cluster, procs[1:], urls, tenant)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -98,7 +114,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                     p.wait(timeout=15)
                 except subprocess.TimeoutExpired:
                     p.kill()
-        redis.stop()
+        if redis is not None:
+            redis.stop()
 
 
 def messages(i: int) -> list[dict[str, str]]:
@@ -143,7 +160,7 @@ async def test_no_overshoot_across_three_replicas_and_exact_settlement(stack: St
     assert worst > TPM * 0.9  # and it was really used up to the limit
     # settled = what the clients were told they used
     told = sum(r["usage"]["total_tokens"] for r in granted)
-    store = RedisStore(stack.redis.url, timeout_s=1.0)
+    store = stack.store()
     try:
         deadline = time.monotonic() + 5
         while True:
@@ -160,7 +177,7 @@ async def test_no_overshoot_across_three_replicas_and_exact_settlement(stack: St
 
 async def test_a_killed_replica_leases_expire(stack: Stack) -> None:
     victim, url = stack.gateways[2], stack.urls[2]
-    store = RedisStore(stack.redis.url, timeout_s=1.0)
+    store = stack.store()
     try:
         async with httpx.AsyncClient(timeout=60) as client:
             streams = [asyncio.ensure_future(one(client, url, 1000 + i, 20)) for i in range(5)]

@@ -4,6 +4,8 @@ renewals, releases in owned tasks."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from gateway import slots as slots_module
@@ -23,6 +25,7 @@ class FlakyGate(MemoryGate):
         self.down = False
         self.lands = False
         self.renewed: list[str] = []
+        self.calls = 0  # renew_many calls: one round trip each in Redis
 
     async def acquire(self, upstream: str, request_id: str, tokens: int,
                       cap_tokens: int | None, cap_seqs: int | None, ttl_s: float) -> bool:
@@ -33,11 +36,12 @@ class FlakyGate(MemoryGate):
             raise StoreUnavailable("timed out")
         return ok
 
-    async def renew(self, upstream: str, request_id: str, ttl_s: float) -> bool:
-        self.renewed.append(request_id)
+    async def renew_many(self, upstream: str, request_ids: Any, ttl_s: float) -> list[bool]:
+        self.renewed += request_ids
+        self.calls += 1
         if self.down:
             raise StoreUnavailable("down")
-        return await super().renew(upstream, request_id, ttl_s)
+        return await super().renew_many(upstream, request_ids, ttl_s)
 
 
 def held(gate: FlakyGate, limits: Limits = lambda: (None, 4), replicas: int = 2,
@@ -99,4 +103,4 @@ async def test_renewals_survive_an_unreachable_gate() -> None:
     assert await s.acquire("b", 1, 5, fail_open=False)
     gate.down = True
     await s.renew_all()  # StoreUnavailable swallowed: the next round retries
-    assert gate.renewed == ["a", "b"]
+    assert gate.renewed == ["a", "b"] and gate.calls == 1  # one call for the beat

@@ -5,6 +5,7 @@ client leaving in the middle of the grant (the store call lands later: settled a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import pytest
@@ -104,3 +105,35 @@ async def test_a_client_leaving_mid_grant_leaves_nothing_behind() -> None:
     u = await usage(adm, who)
     assert not adm.live and u["concurrency"] == 0
     assert u["reserved"]["day"] == 0 and u["settled"]["day"] == 0  # settled at zero
+
+
+class CountingStore(MemoryStore):
+    """Counts the renewal calls (each one store round trip in Redis)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.renew_calls: list[tuple[str, int]] = []
+
+    async def renew_many(self, tenant: str, request_ids: Any, lease_ttl_s: float) -> Any:
+        self.renew_calls.append((tenant, len(request_ids)))
+        return await super().renew_many(tenant, request_ids, lease_ttl_s)
+
+
+async def test_the_renewal_beat_makes_one_store_call_per_tenant(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("gateway.admission.RENEW_BATCH", 4)
+    store = CountingStore()
+    adm = Admission(config(), store)
+    a, b = tenant(), dataclasses.replace(tenant(), id="beta")
+    tickets = [await adm.grant(a, f"a{i}", 10) for i in range(6)]
+    tickets += [await adm.grant(b, f"b{i}", 10) for i in range(3)]
+    await adm.renew_leases()
+    # alpha's six leases in two calls of at most RENEW_BATCH, beta's three in one
+    assert sorted(store.renew_calls) == sorted([(a.id, 4), (a.id, 2), ("beta", 3)])
+    for t in tickets:
+        assert await store.renew(t.tenant, t.request_id, 1.0)  # every lease still live
+        adm.settle(t, 1)
+    await settled(adm)
+    store.renew_calls.clear()
+    await adm.renew_leases()
+    assert store.renew_calls == []  # nothing live: no call at all

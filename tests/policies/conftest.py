@@ -1,7 +1,9 @@
-"""Stores for the shared suite: MemoryStore on a fake clock, RedisStore on a real server.
+"""Stores for the shared suite: MemoryStore on a fake clock, RedisStore on a real server,
+and RedisStore on a real Redis Cluster (3 masters + 3 replicas, tests/cluster.py).
 
 One `redis-server` (no persistence) runs per session on a free 127.0.0.1 port and is
-stopped by PID; every test gets its own key prefix, so tests never see each other's keys.
+stopped by PID, and so does one cluster; every test gets its own key prefix, so tests never
+see each other's keys (on the cluster, the tenant's hash tag picks the master).
 `Harness.advance` steps the fake clock, or sleeps for real on Redis (whose clock is TIME
 and cannot be faked): time-dependent tests keep such waits short and compare waits with
 bounds that allow for the real time that passed.
@@ -26,9 +28,13 @@ import pytest
 from redis.asyncio import Redis
 
 from policies.memory import MemoryStore
+from policies.redis_child import stop_by_pid
 from policies.redis_store import RedisStore
 from policies.store import Store
 from tests.backend.server.conftest import free_port
+from tests.cluster import redis_cluster
+
+__all__ = ["redis_cluster"]  # the session's cluster fixture, for this package's tests
 
 #: Slack for waits measured against Redis: rounding, a scheduling hiccup. A bound, not a target.
 TOL = 0.05
@@ -66,12 +72,7 @@ class RedisServer:
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.resume()
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+            stop_by_pid(self.proc)
         self.proc = None
 
     def pause(self) -> None:
@@ -104,7 +105,7 @@ class FakeClock:
 class Harness:
     """One store under test, plus what the shared suite needs to drive time."""
 
-    kind: str                              # "memory" | "redis"
+    kind: str                              # "memory" | "redis" | "cluster"
     store: Store
     advance: Callable[[float], Awaitable[None]]
     server_time: Callable[[], Awaitable[float]]  # the store's clock, epoch seconds
@@ -143,21 +144,25 @@ def memory() -> Harness:
     return memory_harness()
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
     if request.param == "memory":
         yield memory_harness()
         return
 
-    server: RedisServer = request.getfixturevalue("redis_server")
+    cluster = request.param == "cluster"
+    if cluster:
+        url = request.getfixturevalue("redis_cluster").url
+    else:
+        url = request.getfixturevalue("redis_server").url
     prefix = f"t{uuid.uuid4().hex[:12]}"
-    raw = Redis.from_url(server.url)
+    raw = Redis.from_url(url)  # TIME: any node (one host, one clock)
     owned: list[Store] = []
 
     async def replica() -> Store:
         # A roomy timeout: this suite checks the contract, not latency, and a loaded CI
         # host can stall ~100 fresh connections past 0.25 s. Timeouts: test_redis_store.py.
-        store = RedisStore(server.url, key_prefix=prefix, timeout_s=2.0)
+        store = RedisStore(url, key_prefix=prefix, timeout_s=2.0, cluster=cluster)
         owned.append(store)
         return store
 
@@ -165,9 +170,19 @@ async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
         sec, usec = await raw.time()
         return sec + usec / 1e6
 
-    h = Harness("redis", await replica(), asyncio.sleep, redis_time, replica=replica,
+    h = Harness(request.param, await replica(), asyncio.sleep, redis_time, replica=replica,
                 _owned=owned)
     yield h
     for store in owned:
         await store.close()
     await raw.aclose()
+
+
+async def eventually(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """Poll ``check`` every 5 ms until it holds; fail with ``what`` after ``timeout`` s."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not check():
+        if loop.time() > end:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        await asyncio.sleep(0.005)

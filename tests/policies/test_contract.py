@@ -223,6 +223,23 @@ async def test_expired_lease_is_released_at_worst_case(harness: Harness) -> None
     assert (await h.store.usage(T))["settled"]["day"] == 510
 
 
+async def test_renew_many_renews_each_live_lease_in_one_call(harness: Harness) -> None:
+    h, q = harness, Quotas(max_concurrency=3)
+    for rid in ("r1", "r2", "r3"):
+        await grant(h, rid, 10, q, ttl=0.4)
+    assert await h.store.settle(T, "r2", 5)
+    assert await h.store.renew_many(T, [], 1.0) == []
+    await h.advance(0.25)
+    assert await h.store.renew_many(T, ["r1", "r2", "unknown", "r3"], 0.4) == \
+        [True, False, False, True]
+    await h.advance(0.25)  # past the original expiry: both renewed leases are live
+    assert await h.store.concurrency(T) == 2
+    await h.advance(0.3)  # past the renewed one: released at worst case, not renewed
+    assert await h.store.renew_many(T, ["r1", "r3"], 1.0) == [False, False]
+    u = await h.store.usage(T)
+    assert (u["settled"]["day"], u["concurrency"]) == (25, 0)
+
+
 async def test_renew_keeps_a_lease_alive(harness: Harness) -> None:
     h, q = harness, Quotas(max_concurrency=1)
     await grant(h, "r1", 100, q, ttl=0.4)

@@ -65,6 +65,14 @@ async def test_one_round_trip_per_decision(store: RedisStore,
     assert await store.renew("alpha", "r1", 30)
     assert await store.settle("alpha", "r1", 50)
     assert len(sent) == 3 and all("EVALSHA" in c for c in sent), sent
+    # the renewal beat: a tenant's leases, however many, in one round trip
+    for i in range(2, 40):
+        assert (await store.reserve("alpha", f"r{i}", 1, Quotas(), 30)).granted
+    sent.clear()
+    ids = [f"r{i}" for i in range(1, 40)]
+    assert await store.renew_many("alpha", ids + ["gone"], 30) == \
+        [False] + [True] * 38 + [False]  # r1 is settled
+    assert len(sent) == 1 and "EVALSHA" in sent[0], sent
 
 
 async def test_scripts_reload_after_script_flush(store: RedisStore, raw: Redis) -> None:

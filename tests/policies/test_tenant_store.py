@@ -36,13 +36,18 @@ def key(kid: str, tenant: str = "alpha", role: str = "user") -> KeyRecord:
                      digest="sha256:" + kid.encode().hex().ljust(64, "0")[:64], created=1)
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[TenantStore]:
     if request.param == "memory":
         yield MemoryTenantStore()
         return
-    server: RedisServer = request.getfixturevalue("redis_server")
-    s = RedisTenantStore(server.url, key_prefix=f"t{uuid.uuid4().hex[:12]}", timeout_s=2.0)
+    prefix = f"t{uuid.uuid4().hex[:12]}"
+    if request.param == "cluster":  # the registry's keys share one slot (docs/admission.md)
+        url = request.getfixturevalue("redis_cluster").url
+        s = RedisTenantStore(url, key_prefix=prefix, timeout_s=2.0, cluster=True)
+    else:
+        server: RedisServer = request.getfixturevalue("redis_server")
+        s = RedisTenantStore(server.url, key_prefix=prefix, timeout_s=2.0)
     yield s
     await s.close()
 
