@@ -59,6 +59,35 @@ def scrape_pauses(port: int, prefix: str = "sluice_gateway_") -> dict[str, float
     return out
 
 
+# Past this share of the machine's CPU time taken by the hypervisor (``steal`` in
+# /proc/stat) in a run, its latencies say more about the neighbours than about the gateway.
+MAX_STEAL = 0.02
+
+
+def host_cpu() -> tuple[int, int] | None:
+    """(steal, all) CPU time of this machine since boot, in jiffies, from /proc/stat's
+    ``cpu`` line: what a virtual machine's host ran elsewhere while this one wanted to run,
+    and everything; None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    # user nice system idle iowait irq softirq steal (guest time is inside user already)
+    ticks = [int(v) for v in fields[1:9]]
+    return ticks[7], sum(ticks)
+
+
+def steal_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float:
+    """The share of the machine's CPU time stolen between two ``host_cpu()`` readings
+    (NaN when unknown)."""
+    if before is None or after is None or after[1] <= before[1]:
+        return math.nan
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
 def percentile(sorted_values: Sequence[float], q: float) -> float:
     """Linear interpolation between closest ranks; NaN for no values."""
     if not sorted_values:
@@ -87,6 +116,8 @@ class Stats:
     segment_p99_ms: list[float] = field(default_factory=list)
     # per segment, what the gateway counted in it (PAUSE_COUNTERS' increments), if read
     segment_pauses: list[dict[str, float]] = field(default_factory=list)
+    # per segment, the share of the machine's CPU time its hypervisor took (NaN: unknown)
+    segment_steal: list[float] = field(default_factory=list)
 
     @classmethod
     def of(cls, samples: list[Sample], chunks: int, cpu_s: float | None) -> Stats:
@@ -111,6 +142,12 @@ class Stats:
     @property
     def client_lagged(self) -> bool:
         return self.lag_p99_ms > MAX_LAG_P99_S * 1000
+
+    @property
+    def steal(self) -> float:
+        """The mean of its segments' stolen shares (segments are of equal length)."""
+        known = [v for v in self.segment_steal if math.isfinite(v)]
+        return sum(known) / len(known) if known else math.nan
 
 
 async def warm_up(targets: Sequence[Target], rate: float = 25.0, seconds: float = 2.0) -> None:
@@ -137,6 +174,7 @@ async def interleaved(targets: Sequence[Target], rate: float, seconds: float,
     cpu: dict[str, float] = {t.name: 0.0 for t in targets}
     segments: dict[str, list[float]] = {t.name: [] for t in targets}
     pauses: dict[str, list[dict[str, float]]] = {t.name: [] for t in targets}
+    steal: dict[str, list[float]] = {t.name: [] for t in targets}
     overloaded: set[str] = set()
     for k in range(max(1, round(seconds / segment_s))):
         for target in (targets if k % 2 == 0 else list(reversed(targets))):
@@ -144,7 +182,9 @@ async def interleaved(targets: Sequence[Target], rate: float, seconds: float,
                 continue
             before = target.cpu_seconds() if target.cpu_seconds else 0.0
             paused = target.pauses() if target.pauses else None
+            host0 = host_cpu()
             got = await open_loop(target.pool, rate, segment_s, cap)
+            steal[target.name].append(steal_share(host0, host_cpu()))
             if target.pauses and paused is not None:
                 now = target.pauses()
                 pauses[target.name].append({k: round(now[k] - paused[k], 6) for k in now})
@@ -160,6 +200,7 @@ async def interleaved(targets: Sequence[Target], rate: float, seconds: float,
     for name, stats in out.items():
         stats.segment_p99_ms = segments[name]
         stats.segment_pauses = pauses[name]
+        stats.segment_steal = steal[name]
     return out
 
 

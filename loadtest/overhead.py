@@ -32,6 +32,7 @@ from typing import Any
 from loadtest import targets as procs
 from loadtest.load_client import Pool
 from loadtest.measure import (
+    MAX_STEAL,
     PROBE_RATE,
     Stats,
     Sweep,
@@ -91,19 +92,25 @@ class Plan:
                    saturation_rounds=4, saturation_segment_s=1.0)
 
 
-def pause_note(p99s: list[float], pauses: list[dict[str, float]]) -> str:
-    """What the gateway counted in all segments, and in the one with the worst p99."""
-    def words(d: dict[str, float]) -> str:
+def pause_note(p99s: list[float], pauses: list[dict[str, float]],
+               steal: list[float] | None = None) -> str:
+    """What the gateway counted in all segments, and in the one with the worst p99 (with
+    the share of the machine's CPU time its hypervisor took, where known)."""
+    def words(d: dict[str, float], stolen: float) -> str:
         return (f"{d['gc_long_pauses_total']:.0f} collector passes >= 5 ms "
                 f"({d['gc_pause_seconds_total'] * 1000:.1f} ms in passes), "
                 f"{d['loop_stalls_total']:.0f} loop stalls >= 5 ms "
                 f"({d['loop_stall_seconds_total'] * 1000:.1f} ms), "
                 f"{d['renew_beats_total']:.0f} renewal beats "
-                f"({d['renew_beat_seconds_total'] * 1000:.1f} ms)")
+                f"({d['renew_beat_seconds_total'] * 1000:.1f} ms)"
+                + (f", host steal {stolen:.1%}" if math.isfinite(stolen) else ""))
+    steal = steal if steal and len(steal) == len(pauses) else [math.nan] * len(pauses)
+    known = [v for v in steal if math.isfinite(v)]
     total = {k: sum(p[k] for p in pauses) for k in pauses[0]}
     worst = max(range(len(pauses)), key=lambda i: p99s[i] if math.isfinite(p99s[i]) else -1)
-    return (f"in all segments {words(total)}; in the worst (#{worst + 1}, p99 "
-            f"{p99s[worst]:.2f} ms) {words(pauses[worst])}")
+    return (f"in all segments {words(total, sum(known) / len(known) if known else math.nan)}"
+            f"; in the worst (#{worst + 1}, p99 {p99s[worst]:.2f} ms) "
+            f"{words(pauses[worst], steal[worst])}")
 
 
 def _table(title: str, stats: dict[str, Stats], direct: str) -> None:
@@ -132,10 +139,14 @@ def _table(title: str, stats: dict[str, Stats], direct: str) -> None:
         say(f"  e2e p99 of single segments, lowest-highest (ms): {', '.join(spread)}")
     for name, s in stats.items():
         if s.segment_pauses:
-            say(f"  {name}: {pause_note(s.segment_p99_ms, s.segment_pauses)}")
+            say(f"  {name}: {pause_note(s.segment_p99_ms, s.segment_pauses, s.segment_steal)}")
     if any(s.client_lagged for s in stats.values()):
         say("  WARNING: the client fell behind its schedule (lag p99 > 5 ms): "
              "these figures are not reliable")
+    stolen = max((s.steal for s in stats.values() if math.isfinite(s.steal)), default=math.nan)
+    if stolen > MAX_STEAL:
+        say(f"  WARNING: the hypervisor took {stolen:.1%} of this machine's CPU time (steal, "
+            f"> {MAX_STEAL:.0%}): these latencies are the neighbours' as much as the gateway's")
 
 
 async def _bench(args: argparse.Namespace, plan: Plan, workdir: Path,
@@ -231,6 +242,7 @@ async def _measure(plan: Plan, direct: Target, gateways: list[Target],
     stats = await interleaved([direct, *at_rate], plan.rate, plan.seconds, plan.segment_s,
                               CHUNKS)
     report["at_rate"] = {k: asdict(v) for k, v in stats.items()}
+    report["host_steal_at_rate"] = max((s.steal for s in stats.values()), default=math.nan)
     if redis:
         redis.mark(f"(a) at {plan.rate:g}/s")
     say("")

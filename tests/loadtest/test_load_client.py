@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
+import pytest
+
 from loadtest.fake_upstream import FakeSettings, FakeUpstream
 from loadtest.load_client import NOT_SENT, Pool, Sample, check_stream, closed_loop, open_loop
-from loadtest.measure import Stats, Target, chat_request, interleaved, percentile
+from loadtest.measure import (
+    Stats,
+    Target,
+    chat_request,
+    host_cpu,
+    interleaved,
+    percentile,
+    steal_share,
+)
+from loadtest.overhead import pause_note
 
 
 def test_percentile_interpolates_between_ranks() -> None:
@@ -72,6 +86,10 @@ async def test_interleaved_measures_each_target_alike() -> None:
         assert isinstance(s, Stats)
         assert s.n == 40 and s.errors == 0
         assert 0 < s.ttft_p50_ms <= s.e2e_p50_ms <= s.e2e_p99_ms
+        # each segment's stolen share of the machine's CPU time, where /proc/stat says it
+        assert len(s.segment_steal) == 4
+        if Path("/proc/stat").exists():
+            assert all(0 <= v <= 1 for v in s.segment_steal)
 
 
 async def test_closed_loop_keeps_a_fixed_number_of_requests_in_flight() -> None:
@@ -111,3 +129,32 @@ async def test_saturation_reports_rates_and_ratios_per_round() -> None:
     assert out["ratios"]["other"] == [round(a / b, 4) for a, b in
                                       zip(out["rates"]["other"], out["rates"]["base"])]
     assert out["median_ratio"]["other"] > 0
+
+
+def test_steal_share_is_stolen_over_all_cpu_time() -> None:
+    assert steal_share((100, 10_000), (150, 11_000)) == 0.05
+    assert math.isnan(steal_share(None, (150, 11_000)))
+    assert math.isnan(steal_share((100, 10_000), (100, 10_000)))  # no time passed
+    if Path("/proc/stat").exists():
+        now = host_cpu()
+        assert now is not None and 0 <= now[0] <= now[1]
+
+
+PAUSES = {"gc_long_pauses_total": 0.0, "gc_pause_seconds_total": 0.001,
+          "loop_stalls_total": 0.0, "loop_stall_seconds_total": 0.0,
+          "renew_beats_total": 1.0, "renew_beat_seconds_total": 0.002}
+
+
+@pytest.mark.parametrize("steal", [[0.0, 0.3, 0.0], None])
+def test_the_pause_note_names_the_worst_segment_and_its_steal(
+        steal: list[float] | None) -> None:
+    stalled = dict(PAUSES, loop_stalls_total=2.0, loop_stall_seconds_total=0.04)
+    note = pause_note([3.0, 60.0, 4.0], [PAUSES, stalled, PAUSES], steal)
+    everything, worst = note.split("; in the worst ")
+    assert "2 loop stalls >= 5 ms (40.0 ms)" in everything
+    assert worst.startswith("(#2, p99 60.00 ms) 0 collector passes")
+    assert "2 loop stalls >= 5 ms (40.0 ms), 1 renewal beats (2.0 ms)" in worst
+    if steal is None:  # unknown: not printed
+        assert "steal" not in note
+    else:
+        assert worst.endswith("host steal 30.0%") and "host steal 10.0%" in everything
