@@ -309,9 +309,12 @@ class Admission:
         while True:
             await asyncio.sleep(period)
             began = time.perf_counter()
-            await self.renew_leases()
-            for hook in self.renew_hooks:
-                await hook()
+            try:
+                await self.renew_leases()
+                for hook in self.renew_hooks:
+                    await hook()
+            except Exception:  # one bad beat must not end the renewals of every lease
+                log.exception("a lease renewal beat failed")
             took = time.perf_counter() - began
             self.beats, self.beat_s = self.beats + 1, self.beat_s + took
             self.longest_beat = max(self.longest_beat, took)

@@ -15,6 +15,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -258,7 +259,8 @@ class StoreConfig(_Strict):
     def _cluster_needs_url(self) -> StoreConfig:
         if self.cluster and self.url is None:
             raise ValueError("store.cluster needs store.url (a seed node of the cluster)")
-        if self.cluster and self.url is not None and re.search(r"://[^/]*/(?!0?$)", self.url):
+        if self.cluster and self.url is not None \
+                and urlsplit(self.url).path not in ("", "/", "/0"):
             raise ValueError("store.url: a Redis Cluster has database 0 only")
         return self
 

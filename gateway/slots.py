@@ -26,7 +26,7 @@ from typing import Any
 
 from policies.capacity import CapacityGate, MemoryGate
 from policies.fair_queue import DEFAULT_RETRY_S, FairQueue, Reserve
-from policies.store import StoreUnavailable
+from policies.store import StoreError, StoreUnavailable
 
 from .errors import ServiceUnavailable
 
@@ -105,8 +105,13 @@ class HeldSlots:
                 by_gate.setdefault(id(gate), (gate, []))[1].append(rid)
         for gate, ids in by_gate.values():
             for i in range(0, len(ids), RENEW_BATCH):
-                with contextlib.suppress(StoreUnavailable):
+                try:
                     await gate.renew_many(self.upstream, ids[i:i + RENEW_BATCH], self.ttl_s)
+                except StoreUnavailable:
+                    pass  # the slots' TTL covers a few missed beats
+                except StoreError as exc:  # an answer it did not expect: the next batch
+                    log.warning("renewing %d slots of %s failed: %s",  # may still do
+                                len(ids[i:i + RENEW_BATCH]), self.upstream, exc)
 
     async def aclose(self) -> None:
         """Wait (a while) for the releases and undos under way."""

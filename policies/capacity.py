@@ -150,14 +150,24 @@ _RENEW = _PURGE + """
 -- ARGV: ttl_us, request_id...: every slot of one replica's beat in one call. A renewal that
 -- finds its slot gone frees nothing: whoever removed it (a release, or the sweep of an
 -- expired slot) has told already.
-local expiry, out = string.format('%.0f', now + tonumber(ARGV[1])), {}
+-- The two keys outlive their slots by a minute (acquire sets it); a renewal keeps that
+-- true, or an upstream kept full past the acquire's TTL (only refusals, no grant since)
+-- would lose both keys with slots still held, and the gate would admit a second full set.
+local ttl = tonumber(ARGV[1])
+local expiry, out, renewed = string.format('%.0f', now + ttl), {}, false
 for i = 2, #ARGV do
   if redis.call('ZSCORE', KEYS[1], ARGV[i]) then
     redis.call('ZADD', KEYS[1], 'XX', expiry, ARGV[i])
     out[#out + 1] = 1
+    renewed = true
   else
     out[#out + 1] = 0
   end
+end
+if renewed then
+  local keep = math.ceil(ttl / 1000) + 60000
+  redis.call('PEXPIRE', KEYS[1], keep)
+  redis.call('PEXPIRE', KEYS[2], keep)
 end
 return told(out)
 """

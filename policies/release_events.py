@@ -154,6 +154,11 @@ class ReleaseEvents:
                             channels[0], type(exc).__name__, exc)
                 kw = pool.connection_kwargs if pool is not None else {}
                 failed = f"{kw.get('host')}:{kw.get('port')}"
+            except Exception:  # a bug, or an answer nobody expected: the link lives on
+                moved = None
+                failures += 1
+                log.exception("release events of %s failed; polling the gate meanwhile",
+                              channels[0])
             finally:
                 heard = self._subscribed & set(channels)
                 self._subscribed.difference_update(channels)

@@ -448,8 +448,10 @@ class RedisTenantStore:
         await self._guard(ping_all(self._redis))
 
     async def close(self) -> None:
-        await self._redis.aclose()
-        await self._bulk.aclose()
+        try:
+            await self._redis.aclose()
+        finally:
+            await self._bulk.aclose()
 
     async def _run(self, script: str, *args: str) -> int:
         return int(await self._guard(self._scripts[script](keys=self.keys, args=args)))

@@ -130,6 +130,14 @@ def test_the_breaker_ramp_settings_reach_every_member(tmp_path: Path) -> None:
     assert (m.breaker.policy.ramp_s, m.breaker.policy.ramp_start_rps) == (20, 0.5)
 
 
+@pytest.mark.parametrize("url", ["redis://h:7000/0?ssl_cert_reqs=none", "rediss://h:7000/?a=b",
+                                 "redis://h:7000"])
+def test_a_cluster_url_may_carry_options(url: str) -> None:
+    cfg = load_gateway_config(CONFIGS / "gateway.yaml", env={
+        "SLUICE_REDIS_URL": url, "SLUICE_REDIS_CLUSTER": "1"})
+    assert cfg.store.cluster and cfg.store.url == url
+
+
 @pytest.mark.parametrize(("value", "cluster"), [("1", True), ("yes", True), ("0", False),
                                                 ("", False), ("off", False)])
 def test_sluice_redis_cluster_turns_cluster_mode_on(value: str, cluster: bool) -> None:

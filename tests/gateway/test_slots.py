@@ -13,7 +13,7 @@ from gateway.errors import ServiceUnavailable
 from gateway.slots import HeldSlots, Limits
 from policies.capacity import MemoryGate
 from policies.fair_queue import FairQueue, Reserve
-from policies.store import StoreUnavailable
+from policies.store import StoreError, StoreUnavailable
 
 
 class FlakyGate(MemoryGate):
@@ -26,6 +26,7 @@ class FlakyGate(MemoryGate):
         self.lands = False
         self.renewed: list[str] = []
         self.calls = 0  # renew_many calls: one round trip each in Redis
+        self.odd = False  # renewals get an answer nobody expected (StoreError)
 
     async def acquire(self, upstream: str, request_id: str, tokens: int,
                       cap_tokens: int | None, cap_seqs: int | None, ttl_s: float) -> bool:
@@ -41,6 +42,8 @@ class FlakyGate(MemoryGate):
         self.calls += 1
         if self.down:
             raise StoreUnavailable("down")
+        if self.odd:
+            raise StoreError("unexpected answer")
         return await super().renew_many(upstream, request_ids, ttl_s)
 
 
@@ -104,3 +107,15 @@ async def test_renewals_survive_an_unreachable_gate() -> None:
     gate.down = True
     await s.renew_all()  # StoreUnavailable swallowed: the next round retries
     assert gate.renewed == ["a", "b"] and gate.calls == 1  # one call for the beat
+
+
+async def test_an_odd_answer_fails_one_batch_not_the_beat(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(slots_module, "RENEW_BATCH", 1)
+    gate = FlakyGate()
+    s = held(gate)
+    assert await s.acquire("a", 1, 5, fail_open=False)
+    assert await s.acquire("b", 1, 5, fail_open=False)
+    gate.odd = True
+    await s.renew_all()  # logged, not raised: the renewal loop lives on
+    assert gate.renewed == ["a", "b"] and gate.calls == 2  # the second batch still tried

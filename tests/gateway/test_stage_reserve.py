@@ -137,3 +137,26 @@ async def test_the_renewal_beat_makes_one_store_call_per_tenant(
     store.renew_calls.clear()
     await adm.renew_leases()
     assert store.renew_calls == []  # nothing live: no call at all
+
+
+async def test_a_failing_beat_does_not_end_the_renewals() -> None:
+    """A beat that raises what nobody expected (a hook's bug, an odd answer) is logged;
+    the next beat still runs, or every lease would expire with the loop."""
+    adm = Admission(config(), MemoryStore())
+    adm.lease_ttl_s = 0.03  # a beat every 10 ms
+    calls: list[int] = []
+
+    async def broken() -> None:
+        calls.append(1)
+        raise RuntimeError("a bug in a hook")
+
+    adm.renew_hooks.append(broken)
+    adm.start()
+    try:
+        deadline = asyncio.get_running_loop().time() + 10
+        while len(calls) < 3:
+            assert asyncio.get_running_loop().time() < deadline, "the beat stopped"
+            await asyncio.sleep(0.01)
+        assert adm.beats >= 2
+    finally:
+        await adm.aclose()

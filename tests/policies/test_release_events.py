@@ -133,6 +133,34 @@ async def test_a_killed_connection_is_reopened(gate: RedisGate, client: Redis,
         await b.aclose()
 
 
+async def test_a_bug_in_a_link_is_logged_and_the_link_reopened(
+        gate: RedisGate, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    woken: list[str] = []
+    b = Redis.from_url(redis_server.url)
+    events = ReleaseEvents(b, {"m": gate.channel("m")}, {"m": lambda: woken.append("m")},
+                           backoff_s=(0.05, 0.05))
+    listen = ReleaseEvents._listen
+    broken = [True]
+
+    async def once_broken(self: ReleaseEvents, pubsub: PubSub, channels: list[str]) -> None:
+        if broken.pop() if broken else False:
+            raise KeyError("type")  # an answer nobody expected
+        await listen(self, pubsub, channels)
+
+    monkeypatch.setattr(ReleaseEvents, "_listen", once_broken)
+    try:
+        events.start()
+        await eventually(lambda: events.hears("m") and events.reconnects == 1,
+                         "reopened after the bug, and subscribed")
+        woken.clear()
+        assert await gate.acquire("m", "r1", 1, None, 1, 30)
+        assert await gate.release("m", "r1")
+        await eventually(lambda: bool(woken), "a release heard after the bug")
+    finally:
+        await events.aclose()
+        await b.aclose()
+
+
 async def test_aclose_leaves_no_task_and_no_connection(gate: RedisGate, client: Redis,
                                                        redis_server: RedisServer) -> None:
     before = await pubsub_clients(client)
