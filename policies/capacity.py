@@ -15,6 +15,8 @@ replica's slots expire) and are renewed by the same loop.
                  capacity (a release, expired slots swept) SPUBLISHes the count freed on
                  the shard channel ``sluice:{up:<name>}:released`` (same hash tag: same
                  slot), which wakes the other replicas' waiters (``release_events``).
+                 Both keys expire a minute past their latest slot's TTL, set by every
+                 grant and every renewal that found a slot (not by refusals).
 """
 
 from __future__ import annotations
