@@ -30,7 +30,7 @@ from policies.capacity import CapacityGate, MemoryGate
 from policies.local_share import local_share
 from policies.memory import MemoryStore
 from policies.quotas import Decision
-from policies.store import Store, StoreError, StoreUnavailable
+from policies.store import RENEW_BATCH, Store, StoreError, StoreUnavailable
 from protocol.errors import RateLimited
 
 from .config import GatewayConfig
@@ -44,7 +44,6 @@ NO_RETRY_AFTER_S = 120.0  # past this wait, x-should-retry: false
 STORE_RETRY_AFTER_S = 1.0
 UNDO_AGAIN_S = 1.0  # a second try at undoing a timed-out reserve (it may land late)
 _LOG_EVERY_S = 10.0
-RENEW_BATCH = 256  # leases of one tenant renewed per store call, at most
 
 
 _LIMIT_WORDS = {

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from policies.breaker import RAMP_STEPS
 from protocol.contract import CAPABILITIES, OPENAI_CAPABILITIES, SLUICE_CAPABILITIES
 from protocol.limits import (
     DEFAULT_BODY_MIN_BYTES_PER_S,
@@ -321,9 +322,9 @@ class BreakerConfig(_Strict):
 
     @model_validator(mode="after")
     def _ramp(self) -> BreakerConfig:
-        if self.ramp_s > 0 and self.ramp_start_rps * self.ramp_s / 10 < 1:
-            raise ValueError("ramp_start_rps × ramp_s / 10 must be at least 1 (a ramp step "
-                             "must let one request through)")
+        if self.ramp_s > 0 and self.ramp_start_rps * self.ramp_s / RAMP_STEPS < 1:
+            raise ValueError(f"ramp_start_rps × ramp_s / {RAMP_STEPS} must be at least 1 (a "
+                             "ramp step must let one request through)")
         return self
 
 

@@ -26,13 +26,12 @@ from typing import Any
 
 from policies.capacity import CapacityGate, MemoryGate
 from policies.fair_queue import DEFAULT_RETRY_S, FairQueue, Reserve
-from policies.store import StoreError, StoreUnavailable
+from policies.store import RENEW_BATCH, StoreError, StoreUnavailable
 
 from .errors import ServiceUnavailable
 
 log = logging.getLogger("sluice.gateway.queue")  # the queue's log: these are its slots
 
-RENEW_BATCH = 256  # slots renewed per gate call, at most
 UNDO_AGAIN_S = 1.0  # a second try at undoing a timed-out slot acquire (it may land late)
 
 Limits = Callable[[], tuple[int | None, int | None]]  # (cap_tokens, cap_seqs) now

@@ -35,6 +35,10 @@ from typing import Any, Protocol, runtime_checkable
 
 from policies.quotas import Decision, Quotas
 
+# Leases (or capacity slots) renewed per store (or gate) call at most: one renewal beat of
+# a thousand streams is a few round trips, each holding Redis well under a millisecond.
+RENEW_BATCH = 256
+
 
 class StoreError(Exception):
     """Base of the store's errors."""

@@ -335,12 +335,9 @@ _SCRIPTS = ("tenant_create", "tenant_replace", "tenant_delete", "key_add", "key_
             "tenants_seed")
 
 
-
 class RedisTenantStore:
     """The tenant store over Redis (layout: ``policies/lua/tenants_lib.lua``); every write is
     one Lua script, every Redis failure or overrun ``StoreUnavailable``."""
-
-    _last: Snapshot | None = None  # the last snapshot(), reused by the next (set per instance)
 
     def __init__(self, url: str, *, timeout_s: float = 0.25, key_prefix: str = "sluice",
                  max_connections: int = 8, cluster: bool = False) -> None:
@@ -362,6 +359,7 @@ class RedisTenantStore:
         # timeout, and 100,000 keys parse for longer than a request-path timeout
         self._bulk: Client = connect(url, BULK_DEADLINE_S, 1, cluster=cluster)
         self._bulk_permits = permits(self._bulk, 1)
+        self._last: Snapshot | None = None  # reused by the next snapshot()
 
     async def version(self) -> int:
         raw = await self._guard(self._redis.get(self.keys[0]))

@@ -122,10 +122,13 @@ local function save_buckets(now, list)
   extend(K_BUCKET, math.ceil(full_us / 1000) + 60000)
 end
 
--- Keep a key 39-40 days past its last write with one PEXPIRE a day at most: a read (PTTL)
--- per call instead of a write, which would also go to every replica.
-local function keep(key, ms)
-  if redis.call('PTTL', key) < ms - DAY_MS then redis.call('PEXPIRE', key, int(ms)) end
+-- Keep keys 39-40 days past their last write with one PEXPIRE a day at most: a read (PTTL
+-- of the first) per call instead of writes, which would also go to every replica. The keys
+-- of one call are created, emptied and deleted together, so the first one speaks for all.
+local function keep(keys, ms)
+  if redis.call('PTTL', keys[1]) < ms - DAY_MS then
+    for _, k in ipairs(keys) do redis.call('PEXPIRE', k, int(ms)) end
+  end
 end
 
 -- Close reservation `rid` (record `rec`): its periods move from reserved to used (used +=

@@ -69,14 +69,10 @@ else
   redis.call('ZADD', K_LEASES, int(now + ttl), rid)
   redis.call('ZADD', K_STARTS, int(now), rid)
   redis.call('HSET', K_RESV, rid, int(cost) .. ' ' .. p.day .. ' ' .. p.month .. ' ' .. int(tpm))
-  -- leases, starts and resv hold the same ids (written and closed together), so they
-  -- are created, emptied and deleted together: one PTTL guards the three.
-  local keep_ms = KEEP_MS + math.ceil(ttl / 1000)
-  if redis.call('PTTL', K_RESV) < keep_ms - DAY_MS then
-    for _, k in ipairs({K_LEASES, K_STARTS, K_RESV}) do redis.call('PEXPIRE', k, int(keep_ms)) end
-  end
+  -- resv, leases and starts hold the same ids (written and closed together)
+  keep({K_RESV, K_LEASES, K_STARTS}, KEEP_MS + math.ceil(ttl / 1000))
 end
-keep(K_BUDGET, KEEP_MS)
+keep({K_BUDGET}, KEEP_MS)
 
 local function rate(level, cap)
   if not level then return -1, -1 end

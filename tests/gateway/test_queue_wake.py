@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
@@ -22,6 +24,7 @@ from gateway.cli import demo_tenants
 from gateway.config import load_gateway_config
 from gateway.queue import DispatchQueue, SlotRequest, hear_releases
 from policies.capacity import RedisGate
+from policies.release_events import ReleaseEvents
 from tests.policies.conftest import RedisServer, eventually
 
 DEADLINE_S = 10.0
@@ -86,6 +89,19 @@ class Replicas:
                          "B's waiter queued and its pump refused")
 
 
+@asynccontextmanager
+async def listening(r: Replicas, **opts: Any) -> AsyncIterator[ReleaseEvents]:
+    """B hears the releases (``hear_releases``), subscribed before the block runs."""
+    events = hear_releases({"m": r.b}, r.b_gate.gate, **opts)
+    assert events is not None
+    events.start()
+    try:
+        await eventually(r.b.hears_releases, "B subscribed")
+        yield events
+    finally:
+        await events.aclose()
+
+
 @pytest.fixture
 async def replicas(redis_server: RedisServer) -> AsyncIterator[Replicas]:
     prefix = f"w{uuid.uuid4().hex[:8]}"
@@ -105,11 +121,7 @@ async def test_a_release_on_a_wakes_the_waiter_on_b_by_the_event(
         replicas: Replicas, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(queue_mod, "FALLBACK_POLL_S", 60.0)  # only the event is in time
     r = replicas
-    events = hear_releases({"m": r.b}, r.b_gate.gate)
-    assert events is not None
-    events.start()
-    try:
-        await eventually(r.b.hears_releases, "B subscribed")
+    async with listening(r):
         waiter = r.waiter()
         await r.queued()
         before = dict(r.b.wakeups)
@@ -118,18 +130,12 @@ async def test_a_release_on_a_wakes_the_waiter_on_b_by_the_event(
         assert r.b.wakeups["event"] > before["event"]
         assert r.b.wakeups["poll"] == before["poll"] == 0
         assert r.b.snapshot().hears_releases
-    finally:
-        await events.aclose()
     assert not r.b.hears_releases()
 
 
 async def test_a_lost_event_is_made_up_for_by_the_fallback_poll(replicas: Replicas) -> None:
     r = replicas
-    events = hear_releases({"m": r.b}, r.b_gate.gate)
-    assert events is not None
-    events.start()
-    try:
-        await eventually(r.b.hears_releases, "B subscribed")
+    async with listening(r):
         waiter = r.waiter()
         await r.queued()
         before = dict(r.b.wakeups)
@@ -139,19 +145,13 @@ async def test_a_lost_event_is_made_up_for_by_the_fallback_poll(replicas: Replic
         assert r.b.wakeups["poll"] > before["poll"]
         assert r.b.wakeups["event"] == before["event"]
         assert r.b.hears_releases()  # subscribed all along: it was the fallback poll
-    finally:
-        await events.aclose()
 
 
 async def test_a_killed_subscriber_falls_back_to_polling_and_reconnects(
         replicas: Replicas) -> None:
     r = replicas
     # reconnects exactly 2 s after the kill: the poll (POLL_S) grants the waiter long before
-    events = hear_releases({"m": r.b}, r.b_gate.gate, backoff_s=(2.0, 2.0), rng=lambda: 1.0)
-    assert events is not None
-    events.start()
-    try:
-        await eventually(r.b.hears_releases, "B subscribed")
+    async with listening(r, backoff_s=(2.0, 2.0), rng=lambda: 1.0) as events:
         waiter = r.waiter()
         await r.queued()
         kill = ("CLIENT", "KILL", "TYPE", "pubsub")
@@ -164,8 +164,6 @@ async def test_a_killed_subscriber_falls_back_to_polling_and_reconnects(
         assert r.b.wakeups["event"] == before["event"]
         await eventually(r.b.hears_releases, "B subscribed again")
         assert events.reconnects >= 1
-    finally:
-        await events.aclose()
 
 
 async def test_the_gateway_starts_and_stops_its_subscriber(

@@ -26,9 +26,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import cast
 
 import httpx
@@ -52,6 +51,7 @@ from policies.redis_store import RedisStore, lua_source
 from policies.store import StoreUnavailable
 from tests.backend.server.conftest import REPO_ROOT, free_port
 from tests.cluster import LocalCluster, Node
+from tests.gateway.test_replicas import wait_http
 
 from .conftest import ThreadedGateway
 
@@ -125,7 +125,7 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "sluice.cli", "fake-upstream", "--port", str(up_port)],
             cwd=REPO_ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT))
-        wait_up(f"http://127.0.0.1:{up_port}/health", procs[0], log)
+        wait_http(f"http://127.0.0.1:{up_port}/health", procs[0], log)
         file = TenantsFile(tenants=[
             TenantEntry(id=tenants["closed"], keys=[hash_key(KEYS["closed"])]),
             TenantEntry(id=tenants["open"], keys=[hash_key(KEYS["open"])], fail_mode="open",
@@ -157,22 +157,9 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
         cluster.stop()
 
 
-def wait_up(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"{url} did not start:\n{log.read_text()}")
-
-
-def wait_for(what: str, check: object, timeout: float) -> None:
+def wait_for(what: str, check: Callable[[], bool], timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while not check():  # type: ignore[operator]
+    while not check():
         assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
         time.sleep(0.02)
 
