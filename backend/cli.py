@@ -51,6 +51,11 @@ def _add_server_flags(p: argparse.ArgumentParser, *, model_default: str | None) 
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length cap (default: the model's)")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable the prefix cache")
+    p.add_argument("--attention", default="auto", choices=("auto", "torch", "triton"),
+                   help="decode attention on CUDA: the Triton kernel over the block table "
+                   "(auto: where Triton imports) or torch's gather + SDPA")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="CUDA: run every decode step eagerly (no graphs captured at start)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU threads for the model's math (default: one per core but one, "
                         "which is left to the HTTP server's event loop; at least 1)")
@@ -172,7 +177,8 @@ def _backend(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len, enable_prefix_cache=not args.no_prefix_cache,
             seed=args.seed, served_model_name=args.served_model_name,
-            quantization=args.quantization,
+            quantization=args.quantization, attention=args.attention,
+            cuda_graphs=not args.no_cuda_graphs,
             num_threads=args.threads, reserve_cores=1, speculative=args.speculative,
             num_speculative_tokens=args.num_speculative_tokens,
             speculative_max_batch=args.speculative_max_batch)

@@ -64,7 +64,8 @@ CAPABILITIES = frozenset({
 })
 # What the bundled backend's engine serves; the backend refuses the rest.
 SLUICE_CAPABILITIES = frozenset({
-    "top_k", "ignore_eos", "stop_token_ids", "priority", "cache_salt", "continuous_usage_stats",
+    "top_k", "min_p", "ignore_eos", "stop_token_ids", "priority", "cache_salt",
+    "continuous_usage_stats",
     "seed", "stop", "user", "n", "logprobs", "logit_bias", "penalties", "speculative",
     "tools", "response_format",
 })

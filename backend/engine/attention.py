@@ -23,13 +23,32 @@ K/V is widened to fp32 first); prefill chunks run in float32.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 
-from .decode_kernel import DecodeKernel
 from .errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from .fused_decode import FusedDecoder
+
+
+class PagedDecodeKernel(Protocol):
+    """A decode-attention kernel over the paged cache: the CPU's C one
+    (``decode_kernel.DecodeKernel``) or CUDA's Triton one
+    (``triton_attention.TritonDecodeAttention``)."""
+
+    # True: reads q and writes out in their own dtype; False: float32 q and out only
+    native_dtypes: bool
+
+    def supports(self, cache: torch.Tensor) -> bool: ...
+
+    def fused_decoder(self, weights: Any) -> FusedDecoder | None: ...
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 tokens: torch.Tensor, tables: torch.Tensor, context_lens: torch.Tensor,
+                 scale: float, out: torch.Tensor) -> None: ...
 
 SeqSpec = tuple[list[int], int, int]  # (block_table, num_computed_tokens, num_new_tokens)
 
@@ -203,13 +222,13 @@ def paged_attention(
     batch: AttentionBatch,
     scale: float,
     ws: Workspace,
-    kernel: DecodeKernel | None = None,
+    kernel: PagedDecodeKernel | None = None,
 ) -> torch.Tensor:
     """Attend q [T, H, D] over each sequence's cached + new keys; returns [T, H*D].
 
     Precondition: ``write_kv`` already stored this step's k/v, so the cache holds every
-    key a token may see. ``kernel``: the CPU decode kernel, used where it supports the
-    cache.
+    key a token may see. ``kernel``: a decode kernel (the CPU's C one, CUDA's Triton
+    one), used where it supports the cache.
     """
     num_tokens, num_heads, dim = q.shape
     out = torch.empty((num_tokens, num_heads * dim), dtype=q.dtype, device=q.device)
@@ -225,11 +244,12 @@ def paged_attention(
 
 
 def _decode_attention_kernel(
-    kernel: DecodeKernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    group: DecodeGroup, scale: float, out: torch.Tensor, ws: Workspace,
+    kernel: PagedDecodeKernel, q: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, group: DecodeGroup, scale: float, out: torch.Tensor,
+    ws: Workspace,
 ) -> None:
     tables = group.block_ids.view(group.num_seqs, group.blocks_per_seq)
-    if q.dtype == torch.float32:  # q may be a strided view (rows of the fused qkv)
+    if q.dtype == torch.float32 or kernel.native_dtypes:  # q may be a strided view (rows of the fused qkv)
         kernel(q, k_cache, v_cache, group.tokens, tables, group.context_lens, scale, out)
         return
     out32 = ws.get("attn_out32", tuple(out.shape), torch.float32, out.device)

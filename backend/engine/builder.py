@@ -23,6 +23,7 @@ from protocol.versions import ResolvedVersions, ServedVersions
 
 from .block_manager import BlockManager
 from .config import EngineConfig, resolve_model_path
+from .cuda_graphs import DecodeGraphs
 from .decode_kernel import load_decode_kernel
 from .detokenizer import IncrementalDetokenizer
 from .draft import DraftProposer, load_draft
@@ -114,9 +115,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
             f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16", "dtype") from None
 
 
-def build_engine(config: EngineConfig, *, step_hook: StepHook | None = None) -> EngineParts:
+def build_engine(config: EngineConfig, *, step_hook: StepHook | None = None,
+                 static_decode: bool = False) -> EngineParts:
     """Load the model and build the engine ``config`` describes. ``step_hook`` runs before
-    the model in every step that runs it (``LLMEngine``)."""
+    the model in every step that runs it (``LLMEngine``). ``static_decode`` (tests): decode
+    steps run through the CUDA graphs' static buffers, eagerly, on any device."""
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     threads = cpu_threads(config, device)
@@ -131,8 +134,17 @@ def build_engine(config: EngineConfig, *, step_hook: StepHook | None = None) -> 
     mcfg = loaded.config
     if can_prepack(device):
         loaded.model.prepack_cpu_matmuls()
-    if device.type == "cpu" and config.decode_kernel:
+    in_place = False  # decode attention reads the block table in place (Triton)
+    if device.type == "cpu" and config.decode_kernel and config.attention != "triton":
         loaded.model.set_decode_kernel(load_decode_kernel(), fused=config.fused_decode)
+    elif config.attention == "triton" or (device.type == "cuda" and config.attention == "auto"):
+        from .triton_attention import TritonDecodeAttention, available  # imports triton
+        if available(device):
+            loaded.model.set_decode_kernel(TritonDecodeAttention(), fused=False)
+            in_place = True
+        elif config.attention == "triton":
+            raise InvalidRequestError("attention=triton needs Triton, and CUDA (or "
+                                      "TRITON_INTERPRET=1 on the CPU)", "attention")
     tokenizer = Tokenizer.from_dir(path)
     spec = config.spec
     draft = None if spec is None or spec.draft_model is None else \
@@ -166,8 +178,15 @@ def build_engine(config: EngineConfig, *, step_hook: StepHook | None = None) -> 
         raise InvalidRequestError("the KV budget holds no block", "kv_memory_gib")
     # A request must be able to run alone: cap the context length to the KV capacity.
     max_model_len = min(model_len, num_blocks * bs)
-    kv = allocate_kv_cache(mcfg, num_blocks, bs, dtype, device)
+    graphs = static_decode or (device.type == "cuda" and config.cuda_graphs and in_place)
+    # with graphs, one block more: the padding rows' scratch (cuda_graphs.py), never handed
+    # out by the block manager
+    kv = allocate_kv_cache(mcfg, num_blocks + graphs, bs, dtype, device)
     runner = ModelRunner(loaded.model, kv, bs, device)
+    if graphs:
+        runner.graphs = DecodeGraphs(loaded.model, kv, bs, device, config.max_num_seqs,
+                                     max_model_len, scratch_block=num_blocks,
+                                     capture=not static_decode)
     proposer: Proposer | None = None
     if draft is not None:
         draft_kv = allocate_kv_cache(draft.config, num_blocks, bs, dtype, device)
@@ -196,6 +215,8 @@ def build_engine(config: EngineConfig, *, step_hook: StepHook | None = None) -> 
         step_hook=step_hook,
         proposer=proposer,
         grammars=GrammarCompiler.for_tokenizer(tokenizer, mcfg.vocab_size, tuple(eos)),
+        batch_sampling=device.type != "cpu" if config.device_sampler is None
+        else config.device_sampler,
     )
     log.info("engine ready: model=%s device=%s dtype=%s kv_blocks=%d x %d tokens "
              "max_model_len=%d cpu_threads=%d", name, device, dtype, num_blocks, bs,

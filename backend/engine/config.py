@@ -55,8 +55,12 @@ class SpecConfig:
         ``spec-ngram-k4-b8``, or ``spec-draft.<revision, 12 hex>-k4-b8``."""
         what = self.method if draft_revision is None else f"draft.{draft_revision[:12]}"
         return f"spec-{what}-k{self.num_tokens}-b{self.max_batch}"
+
+
 # Weight-only quantization formats (quant.py): int8 per output channel, int4 in groups of 128.
 QUANTIZATIONS = ("int8", "int4")
+# Decode attention (EngineConfig.attention)
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(slots=True, frozen=True)
@@ -82,6 +86,16 @@ class EngineConfig:
     decode_kernel: bool = True  # CPU: compile and use the C decode-attention kernel
     # CPU, with the kernel: steps where every sequence decodes run fused in C
     fused_decode: bool = True
+    # decode attention over the paged cache on CUDA: "auto" (the Triton kernel where Triton
+    # imports, else torch's gather + SDPA), "torch", or "triton" (required: an error
+    # without it; on the CPU, in place of the C kernel, only under TRITON_INTERPRET=1)
+    attention: str = "auto"
+    # CUDA: replay decode steps from CUDA graphs captured at start-up, at batch-size
+    # buckets (cuda_graphs.py); False: every step runs eagerly
+    cuda_graphs: bool = True
+    # sample on the model's device, copying only the picked ids to the host
+    # (``sampler.sample_batch``); None: on every device but the CPU
+    device_sampler: bool | None = None
     served_model_name: str | None = None
     # weight-only quantization at load (quant.py): None, "int8" or "int4"
     quantization: str | None = None
@@ -106,6 +120,9 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"unknown quantization {self.quantization!r}; use one of "
                 f"{', '.join(QUANTIZATIONS)} (or none: the checkpoint's dtype)", "quantization")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise InvalidRequestError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}",
+                                      "attention")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise InvalidRequestError("block_size must be a positive power of two", "block_size")
         if self.kv_memory_gib is not None and self.kv_blocks is not None:

@@ -344,6 +344,8 @@ _SYMBOLS = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_atten
 class DecodeKernel:
     """The compiled kernel; call it per layer (see ``attention._decode_attention``)."""
 
+    native_dtypes = False  # float32 q and out only (attention widens bf16 rows for it)
+
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib  # keeps the library loaded
         self._fns: dict[torch.dtype, Any] = {}

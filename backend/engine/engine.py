@@ -34,7 +34,7 @@ from .sampler import (
     Argmax,
     choice_seed,
     make_generator,
-    sample,
+    pick_tokens,
     token_logprobs,
     torch_argmax,
 )
@@ -95,8 +95,11 @@ class LLMEngine:
         step_hook: StepHook | None = None,
         proposer: Proposer | None = None,
         grammars: GrammarCompiler | None = None,
+        batch_sampling: bool = False,
     ) -> None:
         self.runner = runner
+        # sample on the device, copying back only the ids (``sampler.pick_tokens``)
+        self.batch_sampling = batch_sampling
         # constrained decoding (grammar.py): a matcher per constrained choice, masks
         # computed beside the forward pass; a step without one pays nothing
         self.constraints = Constraints(grammars, vocab_size)
@@ -266,7 +269,9 @@ class LLMEngine:
                 self.proposer.copy_blocks(out.copies)
         drafts = self._propose(out.chunks)
         masks = self._start_masks(out.chunks) if self.constraints.live else None
-        logits = self.runner.execute(out.chunks)
+        logits = self.runner.execute(out.chunks)  # on the model's device
+        if masks is not None or drafts or not self.batch_sampling:
+            logits = logits.cpu()
         raw = None  # logprobs read the model's logits, before any mask (as without one)
         if masks is not None:
             if masks.wants_raw:
@@ -323,13 +328,13 @@ class LLMEngine:
             rows = self._fork(sampling)
             sampling = [s for s, _ in rows]
             index = torch.tensor([r for _, r in rows], dtype=torch.long)
-            logits = logits.index_select(0, index)
+            logits = logits.index_select(0, index.to(logits.device, non_blocking=True))
             raw = None if raw is None else raw.index_select(0, index)
         params = [s.params for s in sampling]
         gens = [self._generator(s) for s in sampling]
         outputs = [s.output_token_ids if s.params.penalized else () for s in sampling]
-        tokens = sample(logits, params, gens, self._argmax, outputs)
-        lps = token_logprobs(logits if raw is None else raw, params, tokens)
+        tokens, lps = pick_tokens(logits, params, gens, self._argmax, outputs, raw,
+                                  self.batch_sampling or logits.device.type != "cpu")
         return [self._append_token(seq, tok, now, lp)
                 for seq, tok, lp in zip(sampling, tokens, lps)]
 

@@ -14,6 +14,7 @@ from .sampler import torch_argmax
 from .scheduler import ScheduledChunk
 
 if TYPE_CHECKING:
+    from .cuda_graphs import DecodeGraphs
     from .models import CausalLM
 
 
@@ -29,6 +30,8 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        # decode steps replayed from CUDA graphs where they fit (cuda_graphs.py)
+        self.graphs: DecodeGraphs | None = None
 
     def argmax(self, logits: torch.Tensor) -> list[int]:
         """Greedy picks for ``execute``'s logits: the model's native argmax where it has one
@@ -48,12 +51,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Run one step; return float32 CPU logits for the chunks that sample, in order.
+        """Run one step; return float32 logits for the chunks that sample, in order, on the
+        model's device (the engine copies them to the host only for what needs them
+        there: ``LLMEngine.step``).
 
         A chunk with drafts (``chunk.draft``, speculative decoding) runs as 1 + m decode
         rows of its block table, one per position, and gives m + 1 rows of logits (every
         row's K/V is written before any row attends, so row j sees the drafts before it).
+        A step of decodes only runs from a CUDA graph where ``graphs`` has one for it.
         """
+        if self.graphs is not None and self.graphs.fits(chunks):
+            return self.graphs.run(chunks)
         input_ids: list[int] = []
         specs: list[tuple[list[int], int, int]] = []
         sampling: list[int] = []  # indexes into specs
@@ -69,14 +77,15 @@ class ModelRunner:
             if chunk.samples:
                 sampling.append(len(specs))
             specs.append((seq.block_table, start, n))
-        return self.run(input_ids, specs, sampling)
+        return self.run(input_ids, specs, sampling, host=False)
 
     @torch.inference_mode()
     def run(self, input_ids: list[int], specs: list[tuple[list[int], int, int]],
-            sampling: list[int]) -> torch.Tensor:
+            sampling: list[int], host: bool = True) -> torch.Tensor:
         """One forward over ``specs`` ((block table, computed, new) per sequence, their
-        new tokens ``input_ids`` flat in that order); float32 CPU logits of the last new
-        token of each spec listed in ``sampling``."""
+        new tokens ``input_ids`` flat in that order); float32 logits of the last new token
+        of each spec listed in ``sampling``, on the CPU (``host``) or the model's device.
+        Nothing in it reads a tensor back to the host but that final copy."""
         dev = self.device
         batch = build_attention_batch(specs, self.block_size, dev)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
@@ -85,6 +94,7 @@ class ModelRunner:
             return torch.empty(0, 0)
         last = batch.last_token_indices
         if len(sampling) < len(specs):  # chunks mid-prefill yield no logits
-            last = last.index_select(0, torch.tensor(sampling, dtype=torch.long, device=dev))
-        logits = self.model.compute_logits(hidden.index_select(0, last))
-        return logits.float().cpu()
+            rows = torch.tensor(sampling, dtype=torch.long).to(dev, non_blocking=True)
+            last = last.index_select(0, rows)
+        logits = self.model.compute_logits(hidden.index_select(0, last)).float()
+        return logits.cpu() if host else logits

@@ -8,20 +8,29 @@ the logits are not copied):
    frequency * count[t]``, ``count`` over the row's *output* tokens (as OpenAI and vLLM);
 3. greedy rows take the argmax (the model runner's native one where it has it);
 4. the random rows, ``BLOCK_ROWS`` at a time: divided by their temperature, masked by
-   top-k (one ``topk`` at the largest k, each row's k-th value) and top-p (one sort of
-   those rows), softmaxed;
-5. each random row draws from its own ``torch.Generator`` (``multinomial``), seeded from
-   the request's ``seed`` or from the engine's seed and a counter.
+   min-p (below ``min_p`` times the likeliest token's probability), top-k (one ``topk`` at
+   the largest k, each row's k-th value) and top-p (one stable sort of those rows),
+   softmaxed;
+5. each random row takes one uniform number from its own ``torch.Generator`` (seeded from
+   the request's ``seed`` or from the engine's seed and a counter) and picks by inverse
+   CDF (``draw``): the first token whose cumulative probability passes it.
 
 Everything before the draw works row by row inside batched ops (each row's values depend
 on that row alone), and the draw is per request, so a request's tokens do not depend on what
 else shares its batch. ``token_logprobs`` reads the *raw* logits (vLLM's default), not the
 distribution after steps 1-4.
+
+``sample`` is the host sampler (CPU logits, tokens as a list; what the CPU engine runs).
+``sample_batch`` is the same computation over every row at once on the logits' device,
+returning the picks as a device tensor: the engine's step on a GPU copies only those ids to
+the host. Both take their uniforms from the same generators in the same order, so they
+pick the same tokens (``tests/backend/engine/test_batch_sampler.py``).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -91,9 +100,72 @@ def sample(
     for start in range(0, len(rows), BLOCK_ROWS):
         block = rows[start:start + BLOCK_ROWS]
         probs = probabilities(x[start:start + BLOCK_ROWS], [params[i] for i in block])
-        for j, i in enumerate(block):
-            out[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]).item())
+        for i, tok in zip(block, draw(probs, uniforms([generators[i] for i in block])).tolist()):
+            out[i] = tok
     return out
+
+
+def pick_tokens(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    argmax: Argmax,
+    outputs: Sequence[Sequence[int]],
+    raw: torch.Tensor | None,
+    on_device: bool,
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    """The step's tokens and their logprobs (``raw``: the logits before grammar masks).
+    ``on_device`` and no row asking for logprobs: ``sample_batch`` where the logits are,
+    the picked ids the step's one copy back to the host; else ``sample`` on host logits
+    (the CPU engine's, tuned for its caches)."""
+    if on_device and raw is None and all(p.logprobs is None for p in params):
+        picks: list[int] = sample_batch(logits, params, generators, outputs).tolist()
+        return picks, [None] * len(picks)
+    logits = logits.cpu()
+    tokens = sample(logits, params, generators, argmax, outputs)
+    return tokens, token_logprobs(logits if raw is None else raw, params, tokens)
+
+
+def sample_batch(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    outputs: Sequence[Sequence[int]] | None = None,
+) -> torch.Tensor:
+    """``sample`` over every row at once, on ``logits``' device: the picks as an [N] int64
+    tensor there. Nothing is read back from the device: the parameters, uniforms and
+    penalty counts go to it (host-to-device copies), and the caller copies the ids back,
+    once. Greedy rows take torch's argmax."""
+    dev = logits.device
+    x = adjusted_logits(logits, params, outputs)
+    ids = x.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return ids
+    u = uniforms([generators[i] for i in rows]).to(dev, non_blocking=True)
+    if len(rows) == len(params):
+        return draw(probabilities(x, params), u)
+    index = torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)
+    picked = draw(probabilities(x.index_select(0, index), [params[i] for i in rows]), u)
+    return ids.index_copy_(0, index, picked)
+
+
+def uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
+    """The next number in [0, 1) of each row's generator (torch's default one for None),
+    as a float32 CPU tensor [M] (no Python floats: nothing is read out of a tensor)."""
+    return torch.stack([torch.rand((), generator=g) for g in generators])
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF picks: per row of ``probs`` ([M, vocab], unnormalised is fine), the
+    first token whose cumulative probability exceeds ``u`` ([M], in [0, 1)) times the
+    row's total; never a token of probability 0 (rounding at the top end picks the last
+    token that has some). An exact draw from the row's distribution for a uniform ``u``."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:].contiguous()
+    picks = torch.searchsorted(cdf, u[:, None] * total, right=True)
+    last = torch.searchsorted(cdf, total, right=False)  # the last token with mass
+    return torch.minimum(picks, last)[:, 0]
 
 
 def adjusted_logits(logits: torch.Tensor, params: list[SamplingParams],
@@ -105,29 +177,31 @@ def adjusted_logits(logits: torch.Tensor, params: list[SamplingParams],
     if not bias_rows and not pen_rows:
         return logits
     x = logits.clone()
+    dev = x.device
+
+    def put(values: list[int] | list[float], dtype: torch.dtype = torch.long) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
     if bias_rows:
         r = [i for i in bias_rows for _ in params[i].logit_bias]
         t = [tok for i in bias_rows for tok, _ in params[i].logit_bias]
         b = [bias for i in bias_rows for _, bias in params[i].logit_bias]
         # token ids are unique per row (SamplingParams), so this adds each bias once
-        x.index_put_((torch.tensor(r), torch.tensor(t)), torch.tensor(b, dtype=x.dtype),
-                     accumulate=True)
+        x.index_put_((put(r), put(t)), put(b, x.dtype), accumulate=True)
     if pen_rows:
         if outputs is None:
             raise ValueError("penalties need each row's output tokens")
         seqs = [outputs[i] for i in pen_rows]
-        counts = torch.zeros(len(pen_rows), x.shape[1], dtype=x.dtype)
-        lengths = torch.tensor([len(s) for s in seqs])
-        if int(lengths.sum()):
-            where = torch.repeat_interleave(torch.arange(len(pen_rows)), lengths)
-            toks = torch.tensor(list(itertools.chain.from_iterable(seqs)))
-            counts.index_put_((where, toks), torch.ones(len(toks), dtype=x.dtype),
+        counts = torch.zeros(len(pen_rows), x.shape[1], dtype=x.dtype, device=dev)
+        where = [j for j, s in enumerate(seqs) for _ in s]
+        if where:
+            toks = put(list(itertools.chain.from_iterable(seqs)))
+            counts.index_put_((put(where), toks),
+                              torch.ones(len(where), dtype=x.dtype, device=dev),
                               accumulate=True)
-        presence = torch.tensor([params[i].presence_penalty for i in pen_rows],
-                                dtype=x.dtype)[:, None]
-        frequency = torch.tensor([params[i].frequency_penalty for i in pen_rows],
-                                 dtype=x.dtype)[:, None]
-        idx = torch.tensor(pen_rows)
+        presence = put([params[i].presence_penalty for i in pen_rows], x.dtype)[:, None]
+        frequency = put([params[i].frequency_penalty for i in pen_rows], x.dtype)[:, None]
+        idx = put(pen_rows)
         penalty = presence * (counts > 0).to(x.dtype) + frequency * counts
         x.index_copy_(0, idx, x.index_select(0, idx) - penalty)
     return x
@@ -137,21 +211,32 @@ def probabilities(x: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
     """Softmax of the rows of ``x`` after temperature, top-k and top-p ([M, vocab])."""
     if len(ps) == 1:  # the same values with scalars: ~0.1 ms less than the tensor path
         return _probs_row(x[0], ps[0])[None]
-    vocab = x.shape[1]
-    x = x / torch.tensor([p.temperature for p in ps], dtype=x.dtype)[:, None]
+    vocab, dev = x.shape[1], x.device
+
+    def put(values: list[int] | list[float], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)[:, None]
+
+    x = x / put([p.temperature for p in ps], x.dtype)
+    m_rows = [j for j, p in enumerate(ps) if p.min_p > 0.0]
+    if m_rows:
+        sub = x if len(m_rows) == len(ps) else x[m_rows]
+        # p_t >= min_p * p_max  <=>  x_t >= max(x) + log(min_p)
+        floor = sub.amax(dim=-1, keepdim=True) + put([math.log(ps[j].min_p) for j in m_rows],
+                                                     x.dtype)
+        x = _put_rows(x, m_rows, sub.masked_fill(sub < floor, NEG_INF))
     k_rows = [j for j, p in enumerate(ps) if 0 < p.top_k < vocab]
     if k_rows:
         ks = [ps[j].top_k for j in k_rows]
         sub = x if len(k_rows) == len(ps) else x[k_rows]
         top = torch.topk(sub, max(ks), dim=-1).values
-        kth = top.gather(1, torch.tensor(ks)[:, None] - 1)
+        kth = top.gather(1, put(ks, torch.long) - 1)
         sub = sub.masked_fill(sub < kth, NEG_INF)
         x = _put_rows(x, k_rows, sub)
     p_rows = [j for j, p in enumerate(ps) if p.top_p < 1.0]
     if p_rows:
         sub = x if len(p_rows) == len(ps) else x[p_rows]
-        top_p = torch.tensor([ps[j].top_p for j in p_rows], dtype=x.dtype)[:, None]
-        sorted_logits, idx = torch.sort(sub, dim=-1, descending=True)
+        top_p = put([ps[j].top_p for j in p_rows], x.dtype)
+        sorted_logits, idx = torch.sort(sub, dim=-1, descending=True, stable=True)
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (always at least one token).
         cum = torch.cumsum(sorted_probs, dim=-1)
@@ -164,11 +249,13 @@ def probabilities(x: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
 def _probs_row(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """``probabilities`` of one row, with Python scalars for its parameters."""
     row = row / p.temperature
+    if p.min_p > 0.0:
+        row = row.masked_fill(row < row.amax() + math.log(p.min_p), NEG_INF)
     if 0 < p.top_k < row.numel():
         kth = torch.topk(row, p.top_k).values[-1]
         row = row.masked_fill(row < kth, NEG_INF)
     if p.top_p < 1.0:
-        sorted_logits, idx = torch.sort(row, descending=True)
+        sorted_logits, idx = torch.sort(row, descending=True, stable=True)
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
         cum = torch.cumsum(sorted_probs, dim=-1)
         drop = (cum - sorted_probs) >= p.top_p
@@ -182,7 +269,7 @@ def _put_rows(x: torch.Tensor, rows: list[int], sub: torch.Tensor) -> torch.Tens
     itself when it is every row)."""
     if len(rows) == x.shape[0]:
         return sub
-    x[rows] = sub
+    x[torch.tensor(rows, dtype=torch.long).to(x.device, non_blocking=True)] = sub
     return x
 
 

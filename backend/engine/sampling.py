@@ -40,8 +40,10 @@ class GrammarSpec:
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    temperature below ``GREEDY_BELOW`` (1e-5), 0 included, means greedy. ``seed`` makes sampling reproducible whatever else is
-    in the batch: each seeded request draws from its own generator. ``presence_penalty``
+    temperature below ``GREEDY_BELOW`` (1e-5), 0 included, means greedy. ``top_k``,
+    ``top_p`` and ``min_p`` (vLLM's: drop tokens less likely than ``min_p`` times the
+    likeliest) narrow the random picks. ``seed`` makes sampling reproducible whatever else
+    is in the batch: each seeded request draws from its own generator. ``presence_penalty``
     and ``frequency_penalty`` (OpenAI's, over the output tokens) and ``logit_bias``
     ((token id, bias) pairs, ids unique) change the logits before greedy or random picks.
     ``logprobs``: report each output token's logprob and this many top ones (None: none).
@@ -54,6 +56,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0  # keep tokens at least this fraction of the likeliest one's (0: off)
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -74,6 +77,7 @@ class SamplingParams:
         if self.top_p == 0.0:
             raise InvalidRequestError("top_p must be in (0, 1]", "top_p")
         _check_int("top_k", self.top_k, minimum=-1)
+        _check_number("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=-(2**63))
         if not isinstance(self.stop, tuple) or not all(

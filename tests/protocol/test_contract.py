@@ -60,7 +60,6 @@ def test_model_is_optional_here_and_the_body_must_be_an_object() -> None:
 @pytest.mark.parametrize(("body", "param"), [
     ({"stream_options": {"include_usage": True}}, "stream_options"),  # needs stream: true
     ({"reasoning_effort": "low"}, "reasoning_effort"),
-    ({"min_p": 0.1}, "min_p"),
     ({"min_tokens": 2}, "min_tokens"),
     ({"top_logprobs": 2}, "top_logprobs"),  # served, but only with logprobs: true
     # tools, tool_choice, parallel_tool_calls and response_format are served (their values

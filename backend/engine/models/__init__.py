@@ -14,8 +14,7 @@ import torch
 from modelfiles.errors import UnsupportedModelError
 from modelfiles.model_config import ModelConfig
 
-from ..attention import AttentionBatch
-from ..decode_kernel import DecodeKernel
+from ..attention import AttentionBatch, PagedDecodeKernel
 from ..fused_decode import FusedDecoder
 from ..weights import DecoderWeights
 from .llama import LlamaForCausalLM
@@ -45,7 +44,8 @@ class CausalLM(Protocol):
 
     def weight_bytes(self) -> int: ...
 
-    def set_decode_kernel(self, kernel: DecodeKernel | None, fused: bool = True) -> None: ...
+    def set_decode_kernel(self, kernel: PagedDecodeKernel | None,
+                          fused: bool = True) -> None: ...
 
     def decoder_weights(self) -> DecoderWeights: ...
 

@@ -25,8 +25,13 @@ from torch import nn
 
 from modelfiles.model_config import ModelConfig
 
-from ..attention import AttentionBatch, Workspace, paged_attention, write_kv
-from ..decode_kernel import DecodeKernel
+from ..attention import (
+    AttentionBatch,
+    PagedDecodeKernel,
+    Workspace,
+    paged_attention,
+    write_kv,
+)
 from ..fused_decode import MAX_ROWS as FUSED_MAX_ROWS
 from ..fused_decode import FusedDecoder
 from ..quant import QuantizedWeight
@@ -170,7 +175,7 @@ class _Step:
     sin: torch.Tensor
     batch: AttentionBatch
     ws: Workspace
-    kernel: DecodeKernel | None
+    kernel: PagedDecodeKernel | None
 
 
 class LlamaAttention(_Fused):
@@ -305,7 +310,7 @@ class LlamaForCausalLM(nn.Module):
         self.quantization: str | None = None  # see quantize
         self._lm_head_quant: QuantizedWeight | None = None  # untied heads only
         self._weight_bytes: int | None = None  # see weight_bytes
-        self.decode_kernel: DecodeKernel | None = None  # see set_decode_kernel
+        self.decode_kernel: PagedDecodeKernel | None = None  # see set_decode_kernel
         self.fused: FusedDecoder | None = None  # see set_decode_kernel
         if not config.tie_word_embeddings:
             self.lm_head = _Proj()
@@ -429,8 +434,9 @@ class LlamaForCausalLM(nn.Module):
             head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
             lm_head_packed=self.lm_head_packed)
 
-    def set_decode_kernel(self, kernel: DecodeKernel | None, fused: bool = True) -> None:
-        """Use ``kernel`` for decode attention where it supports the cache (CPU), and with
+    def set_decode_kernel(self, kernel: PagedDecodeKernel | None, fused: bool = True) -> None:
+        """Use ``kernel`` for decode attention where it supports the cache (the CPU's C
+        kernel, CUDA's Triton one), and with
         ``fused``, its fused steps for steps where every sequence decodes, where it supports
         the model (``fused_decode.py``)."""
         self.decode_kernel = kernel

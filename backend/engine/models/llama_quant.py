@@ -20,6 +20,7 @@ from torch import nn
 
 from modelfiles.model_config import ModelConfig
 
+from ..decode_kernel import DecodeKernel
 from ..quant import QuantizedLinear, QuantizedWeight, quantize, storage_bytes
 from ..weights import PackedMatmul
 
@@ -85,7 +86,8 @@ def bind_quantized_matmuls(model: LlamaForCausalLM) -> None:
     def matmul(weight: QuantizedWeight | None, bias: torch.Tensor | None) -> PackedMatmul:
         if weight is None:
             raise RuntimeError("a quantized model without one of its quantized matrices")
-        fast = kernel.quantized_matmul(weight, bias) if kernel is not None else None
+        fast = kernel.quantized_matmul(weight, bias) if isinstance(kernel, DecodeKernel) \
+            else None
         return fast or QuantizedLinear(weight, bias)
 
     for layer in model.model.decoder_layers:

@@ -29,6 +29,9 @@ def reference_row(row: torch.Tensor, p: SamplingParams, output: list[int],
     if p.greedy:
         return int(row.argmax())
     row = row / p.temperature
+    if p.min_p > 0:
+        probs = torch.softmax(row, dim=-1)
+        row = row.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     if 0 < p.top_k < row.numel():
         kth = torch.topk(row, p.top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))
@@ -39,7 +42,14 @@ def reference_row(row: torch.Tensor, p: SamplingParams, output: list[int],
         drop = (cum - sorted_probs) >= p.top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         row = torch.empty_like(row).scatter_(0, idx, sorted_logits)
-    return int(torch.multinomial(torch.softmax(row, dim=-1), 1, generator=g).item())
+    probs = torch.softmax(row, dim=-1)
+    u = float(torch.rand((), generator=g))  # one uniform per pick, from the row's generator
+    cdf = torch.cumsum(probs, dim=-1)
+    target = torch.tensor(u, dtype=torch.float32) * cdf[-1]
+    for tok in range(probs.numel()):  # the first token whose cumulative mass passes u
+        if cdf[tok] > target:
+            return tok
+    return int(torch.nonzero(probs).max())
 
 
 def gens(params: list[SamplingParams]) -> list[torch.Generator | None]:
@@ -86,6 +96,7 @@ params_st = st.builds(
     temperature=st.sampled_from([0.0, 0.3, 0.7, 1.0, 1.6]),
     top_p=st.sampled_from([1.0, 0.95, 0.5, 0.1]),
     top_k=st.sampled_from([0, -1, 1, 5, 40, VOCAB + 3]),
+    min_p=st.sampled_from([0.0, 0.0, 0.05, 0.3]),
     seed=st.integers(0, 2**32),
     presence_penalty=st.sampled_from([0.0, 0.5, -1.0, 2.0]),
     frequency_penalty=st.sampled_from([0.0, 0.3, -0.7, 2.0]),

@@ -170,7 +170,6 @@ def test_unsupported_fields_are_refused(http: httpx.Client) -> None:
     (CHAT, {"stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
     (COMP, {"echo": True}, "echo", "unsupported_parameter"),
     (COMP, {"min_tokens": 2}, "min_tokens", "unsupported_parameter"),
-    (COMP, {"min_p": 0.5}, "min_p", "unsupported_parameter"),
     (COMP, {"repetition_penalty": 1.2}, "repetition_penalty", "unsupported_parameter"),
     (COMP, {"logit_bias": {"01": 1}}, "logit_bias", "invalid_value"),
     (COMP, {"frobnicate": 1}, "frobnicate", "unknown_parameter"),

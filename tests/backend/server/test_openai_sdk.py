@@ -122,6 +122,20 @@ def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
     assert run(42) == run(42)
 
 
+def test_min_p_reaches_the_sampler(client: openai.OpenAI) -> None:
+    """min_p = 1 keeps only the likeliest token: a sampled request answers as greedy does
+    (sampling at temperature 1 without it does not, on the tiny model's flat logits)."""
+    def run(**kw: object) -> str:
+        return client.completions.create(
+            model=MODEL, prompt="Once", max_tokens=16, seed=7,
+            extra_body={"ignore_eos": True, **kw.pop("extra", {})},  # type: ignore[dict-item]
+            **kw).choices[0].text  # type: ignore[call-overload]
+
+    greedy = run(temperature=0)
+    assert run(temperature=1.0, extra={"min_p": 1.0}) == greedy
+    assert run(temperature=1.0) != greedy
+
+
 def test_errors_raise_sdk_exceptions(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as nf:
         client.chat.completions.create(model="no-such-model", messages=MESSAGES)

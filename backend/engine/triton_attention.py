@@ -1,0 +1,125 @@
+"""Paged decode attention on CUDA: a Triton kernel of our own over the block table.
+
+One program per (decode sequence, KV head): it loads the sequence's query rows of that KV
+head's group (GQA: ``H / kv_heads`` query heads share each K/V block read), walks the
+sequence's block table one KV block at a time, and keeps an online softmax (running max,
+running sum, float32 accumulator), so K/V are read once, in place, in the cache's dtype,
+and nothing is gathered or padded: the work follows each sequence's own context length.
+The query is read at its flat row (``tokens``) and the output written there, in the
+activations' dtype, so the model's decode rows need no copy before or after.
+
+Used by the engine on CUDA when Triton imports (``EngineConfig(attention="auto")``, or
+``"triton"`` to require it; ``"torch"`` keeps the gather + SDPA path, which every machine
+has). Tested on the CPU through Triton's interpreter (``TRITON_INTERPRET=1``,
+``tests/backend/engine/test_triton_attention.py``), against the torch path, with the
+same inputs the engine gives it. Prefill chunks keep SDPA over their gathered context
+(compute-bound, and one per chunk).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch; the CPU machines do without it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is absent
+    triton = None
+    tl = None
+
+
+def available(device: torch.device) -> bool:
+    """Triton imports and can run on ``device`` (CUDA; any device in interpreter mode)."""
+    if triton is None:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+if triton is not None:
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _paged_decode(
+        q_ptr: Any, k_ptr: Any, v_ptr: Any, out_ptr: Any, tokens_ptr: Any, tables_ptr: Any,
+        lens_ptr: Any, stride_qt: Any, stride_qh: Any, stride_ot: Any, stride_oh: Any,
+        stride_table: Any, num_blocks: Any, scale: Any,
+        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    ) -> None:
+        seq = tl.program_id(0)
+        kvh = tl.program_id(1)
+        token = tl.load(tokens_ptr + seq)
+        ctx = tl.load(lens_ptr + seq)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        t = tl.arange(0, BLOCK_SIZE)
+        g_ok = g < GROUP
+        d_ok = d < HEAD_DIM
+        heads = kvh * GROUP + g
+        q = tl.load(q_ptr + token * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        q = q * scale
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        # cache layout [kv_heads, num_blocks, BLOCK_SIZE, HEAD_DIM], contiguous
+        head_base = kvh.to(tl.int64) * num_blocks * BLOCK_SIZE * HEAD_DIM
+        for start in range(0, ctx, BLOCK_SIZE):
+            block = tl.load(tables_ptr + seq * stride_table + start // BLOCK_SIZE)
+            offs = head_base + block.to(tl.int64) * BLOCK_SIZE * HEAD_DIM \
+                + t[:, None] * HEAD_DIM + d[None, :]
+            t_ok = (start + t) < ctx
+            kv_mask = t_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BLOCK_G, BLOCK_SIZE]
+            s = tl.where(t_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m_i = m_new
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+
+class TritonDecodeAttention:
+    """The decode-attention kernel the model calls where ``supports`` says so
+    (``attention.paged_attention``); the same call as the CPU ``DecodeKernel``."""
+
+    native_dtypes = True  # reads q and writes out in their own dtype (no float32 copies)
+
+    def supports(self, cache: torch.Tensor) -> bool:
+        return available(cache.device) and cache.is_contiguous() \
+            and cache.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+    def fused_decoder(self, weights: Any) -> None:
+        """No fused whole-step decoder on this path (the CPU kernel's)."""
+        return
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 tokens: torch.Tensor, tables: torch.Tensor, context_lens: torch.Tensor,
+                 scale: float, out: torch.Tensor) -> None:
+        """Attend decode rows ``tokens`` of q [T, H, D] (rows may be strided, D
+        contiguous) over their paged K/V; write out [T, H * D] at those rows.
+        ``tables`` [n, width] int64 (padded), ``context_lens`` [n] int64."""
+        kv_heads, num_blocks, block_size, dim = k_cache.shape
+        heads = q.shape[1]
+        group = heads // kv_heads
+        if q.stride(2) != 1 or not tables.is_contiguous():
+            raise ValueError("q's head dim and the block tables must be contiguous")
+        grid = (tokens.shape[0], kv_heads)
+        _paged_decode[grid](
+            q, k_cache, v_cache, out, tokens, tables, context_lens,
+            q.stride(0), q.stride(1), out.stride(0), dim, tables.stride(0),
+            num_blocks, scale,
+            GROUP=group, BLOCK_G=_next_pow2(group), HEAD_DIM=dim,
+            BLOCK_D=_next_pow2(dim), BLOCK_SIZE=block_size,
+        )

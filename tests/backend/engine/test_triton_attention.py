@@ -1,0 +1,94 @@
+"""The Triton paged decode-attention kernel (``triton_attention.py``), run on the CPU by
+Triton's interpreter, against the torch path (gather + SDPA) on the same attention batch
+the engine builds: GQA groups of 1, 3 and 4, head dims 64 and 48 (not a power of two),
+block sizes 8 and 16, float32 and bfloat16 caches, decode rows mixed with a prefill chunk
+(so their rows are not contiguous) and q as strided rows of a fused qkv; and the engine
+with it gives the torch path's greedy tokens."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from backend.engine import triton_attention
+from backend.engine.attention import Workspace, build_attention_batch, paged_attention
+from backend.engine.builder import build_engine
+from backend.engine.config import EngineConfig
+from backend.engine.sampling import SamplingParams
+
+
+@pytest.fixture(autouse=True)
+def interpreted() -> None:
+    """tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported."""
+    assert triton_attention.available(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size"),
+                         [(4, 4, 64, 16), (6, 2, 48, 8), (8, 2, 64, 16)])
+def test_the_kernel_matches_the_torch_path(dtype: torch.dtype,
+                                           heads: int, kv_heads: int, dim: int,
+                                           block_size: int) -> None:
+    rng = random.Random(heads * 100 + dim)
+    g = torch.Generator().manual_seed(heads + dim)
+    num_blocks = 64
+    caches = [torch.randn(kv_heads, num_blocks, block_size, dim, generator=g).to(dtype)
+              for _ in range(2)]
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    specs = []
+    for ctx in (1, block_size, block_size + 1, 3 * block_size - 2, 5 * block_size):
+        table = [free.pop() for _ in range(-(-ctx // block_size))]
+        specs.append((table, ctx - 1, 1))
+    # a prefill chunk in the middle: the decode rows around it are not contiguous
+    specs.insert(2, ([free.pop() for _ in range(2)], 3, 5))
+    batch = build_attention_batch(specs, block_size, "cpu")
+    t = batch.num_tokens
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    q = qkv[:, :heads * dim].view(t, heads, dim)  # strided rows, as the model's
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(t, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim:].view(t, kv_heads, dim)
+    scale = dim ** -0.5
+    want = paged_attention(q, k, v, *caches, batch, scale, Workspace())
+    kernel = triton_attention.TritonDecodeAttention()
+    assert kernel.supports(caches[0])
+    got = paged_attention(q, k, v, *caches, batch, scale, Workspace(), kernel)
+    assert got.dtype == dtype
+    assert batch.decode is not None
+    rows = batch.decode.tokens
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got[rows].float(), want[rows].float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)  # prefill too
+
+
+def test_the_engine_on_the_kernel_gives_the_torch_paths_tokens(tmp_path: Path) -> None:
+    def run(attention: str, decode_kernel: bool) -> list[list[int]]:
+        core = build_engine(EngineConfig(
+            model="tiny", cache_dir=str(tmp_path), device="cpu", dtype="float32",
+            block_size=8, kv_blocks=64, attention=attention, decode_kernel=decode_kernel,
+            fused_decode=False)).core
+        if attention == "triton":
+            assert isinstance(core.runner.model.decode_kernel,  # type: ignore[attr-defined]
+                              triton_attention.TritonDecodeAttention)
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        for i in range(3):
+            core.add_request(f"r{i}", list(range(3 + i, 14 + 3 * i)), params)
+        out: dict[str, list[int]] = {}
+        while core.has_work():
+            for d in core.step():
+                out.setdefault(d.request_id, []).extend(d.token_ids)
+        return [out[f"r{i}"] for i in range(3)]
+
+    assert run("triton", False) == run("auto", False)
+
+
+def test_attention_triton_is_refused_where_triton_cannot_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from backend.engine.errors import InvalidRequestError
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU without the interpreter
+    with pytest.raises(InvalidRequestError, match="attention=triton"):
+        build_engine(EngineConfig(model="tiny", cache_dir=str(tmp_path), device="cpu",
+                                  kv_blocks=16, attention="triton"))
