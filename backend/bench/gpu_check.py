@@ -1,14 +1,17 @@
 """The prepared device check: ``scripts/gpu-check.sh`` runs ``python -m
 backend.bench.gpu_check --out $OUT`` on one GPU and writes ``$OUT/gpu-check.json``.
 
-Sections, each timed and each recorded even when another fails (its ``error``):
+Sections, each timed, each written to the JSON as it ends, and each recorded even when
+another fails (its ``error``); a ``preflight`` on a small model comes first, and nothing
+else runs if it fails:
 
 - ``parity``: the engine against ``transformers`` on the same random ~0.44B Llama
   checkpoint written locally (nothing downloaded), in bf16: each prompt's last-position
   logits (max |difference|, top-1 agreement) and greedy tokens (agreement up to the first
   difference, which bf16 rounding may move).
-- ``syncs``: decode steps under ``torch.cuda.set_sync_debug_mode("warn")``: the host syncs
-  the driver reports per step (the device sampler's one ids copy is the target), and
+- ``syncs``: decode steps of greedy and sampled rows (seeded, top-k/p, min-p, penalties,
+  bias) under ``torch.cuda.set_sync_debug_mode("warn")``: the host syncs the driver
+  reports per step (the device sampler's one ids copy is the target), and
   ``host_sync.count_host_syncs``'s count of the same steps.
 - ``roofline``: the decode step (``LLMEngine.step()``, ~0.44B model, context ~512) at
   batch 1, 8, 32 and 128, with CUDA graphs and without, each over the HBM roofline
@@ -24,6 +27,7 @@ spent on it.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import subprocess
@@ -33,6 +37,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +46,7 @@ import torch
 from backend.engine.builder import EngineParts, build_engine
 from backend.engine.config import EngineConfig
 from backend.engine.host_sync import count_host_syncs
+from backend.engine.sampling import SamplingParams
 
 from .checkpoint import TEST_MODEL, ModelSpec, write_checkpoint
 from .hf_baseline import load_hf_model
@@ -56,8 +62,9 @@ JSON_NAME = "gpu-check.json"
 
 
 def engine(path: Path, device: str, dtype: str, graphs: bool, max_seqs: int) -> EngineParts:
-    # 16 GiB holds batch 128 at context ~530 of the 0.44B model (0.75 MiB a 16-token block)
-    kv = 16.0 if device.startswith("cuda") else 0.25
+    # batch 128 at context ~530 of the 0.44B model needs ~3.2 GiB (0.75 MiB a 16-token
+    # block); 8 GiB leaves room for the prefill's chunks
+    kv = 8.0 if device.startswith("cuda") else 0.25
     return build_engine(EngineConfig(model=str(path), device=device, dtype=dtype,
                                      max_num_seqs=max_seqs, max_num_batched_tokens=2048,
                                      cuda_graphs=graphs, kv_memory_gib=kv))
@@ -121,12 +128,23 @@ def parity(path: Path, device: torch.device, dtype: str, prompts: int,
     }
 
 
+MIXED = [  # the device sampler's every stage: seeded rows, top-k/p, min-p, penalties, bias
+    SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=1, ignore_eos=True),
+    SamplingParams(temperature=1.0, min_p=0.05, seed=2, ignore_eos=True),
+    SamplingParams(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.3,
+                   logit_bias=((7, 2.0),), ignore_eos=True),
+]
+
+
 def sync_counts(path: Path, device: torch.device, dtype: str, batch: int,
                 steps: int) -> dict[str, Any]:
+    """Decode steps of greedy and sampled rows (every stage of the device sampler)."""
     parts = engine(path, str(device), dtype, True, max(batch, 8))
     core = parts.core
     for i in range(batch):
-        core.add_request(f"s{i}", [5 + i] * 16, bench_params(steps + 8))
+        params = bench_params(steps + 8) if i % 2 == 0 else replace(
+            MIXED[i // 2 % len(MIXED)], max_tokens=steps + 8)
+        core.add_request(f"s{i}", [5 + i] * 16, params)
     for _ in range(4):  # prefill, then every row decodes
         core.step()
     driver: list[int] = []
@@ -172,6 +190,7 @@ def roofline(path: Path, spec: ModelSpec, device: torch.device, dtype: str,
             row[f"over_roofline_{key}"] = step / ideal
         out["graphs_captured" if graphs else "eager_graphs"] = parts.runner.graphs is not None
         del parts
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     for row in out["batches"].values():
@@ -183,7 +202,14 @@ def bench(out_dir: Path, device: str, timeout: float) -> dict[str, Any]:
     path = out_dir / "bench.json"
     cmd = [sys.executable, "-m", "backend.bench", "--device", device, "--dtype", "bfloat16",
            "--json", str(path)]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout)
+    try:
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as exc:  # keep what it printed
+        def text(b: bytes | str | None) -> str:
+            return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+        (out_dir / "bench.log").write_text(text(exc.stdout) + text(exc.stderr))
+        raise
     (out_dir / "bench.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0 and not path.is_file():
         raise RuntimeError(f"backend.bench exited {proc.returncode}: {proc.stderr[-2000:]}")
@@ -192,13 +218,32 @@ def bench(out_dir: Path, device: str, timeout: float) -> dict[str, Any]:
             **{k: v for k, v in figures.items() if k != "details"}}
 
 
-def section(report: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]]) -> None:
+def preflight(path: Path, device: torch.device, dtype: str) -> dict[str, Any]:
+    """Seconds, not minutes: the model builds (the Triton kernel compiles, the graphs are
+    captured) and a few steps run, before the long sections spend the device's time."""
+    parts = engine(path, str(device), dtype, True, 8)
+    core = parts.core
+    core.add_request("pre", [5] * 40, bench_params(6))
+    tokens = 0
+    while core.has_work():
+        tokens += sum(len(d.token_ids) for d in core.step())
+    kernel = type(getattr(parts.runner.model, "decode_kernel", None)).__name__
+    return {"tokens": tokens, "attention_kernel": kernel,
+            "graphs": None if parts.runner.graphs is None else parts.runner.graphs.buckets,
+            "batch_sampling": parts.core.batch_sampling}
+
+
+def section(report: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]],
+            out: Path) -> None:
+    """Run one section; its figures or its error go into the report, written at once (a
+    run cut short keeps what it measured)."""
     began = time.monotonic()
     try:
         report[name] = fn()
     except Exception as exc:  # noqa: BLE001 - a failed section is recorded; the rest run
         report[name] = {"error": repr(exc), "traceback": traceback.format_exc()[-4000:]}
     report[name]["seconds"] = round(time.monotonic() - began, 1)
+    (out / JSON_NAME).write_text(json.dumps(report, indent=2, default=str))
     print(f"[gpu-check] {name}: {json.dumps(report[name], default=str)[:600]}", flush=True)
 
 
@@ -229,17 +274,22 @@ def main(argv: list[str] | None = None) -> int:
         report["env"]["triton"] = None
     batches = (1, 2) if args.quick else BATCHES
     with tempfile.TemporaryDirectory() as tmp:
+        small = write_checkpoint(Path(tmp) / "small", TEST_MODEL, getattr(torch, args.dtype))
+        section(report, "preflight", lambda: preflight(small, device, args.dtype), args.out)
+        if "error" in report["preflight"]:
+            print("[gpu-check] the preflight failed: nothing else runs", flush=True)
+            return 1
         path = write_checkpoint(Path(tmp) / "ckpt", spec, getattr(torch, args.dtype))
         section(report, "parity", lambda: parity(path, device, args.dtype, 4 if args.quick
-                                                 else 8, 8 if args.quick else 32))
-        section(report, "syncs", lambda: sync_counts(path, device, args.dtype, 4,
-                                                     3 if args.quick else 8))
+                                                 else 8, 8 if args.quick else 32), args.out)
+        section(report, "syncs", lambda: sync_counts(path, device, args.dtype, 6,
+                                                     3 if args.quick else 8), args.out)
         section(report, "roofline", lambda: roofline(
             path, spec, device, args.dtype, batches, 32 if args.quick else 512,
-            2 if args.quick else 16, 1 if args.quick else 3))
+            2 if args.quick else 16, 1 if args.quick else 3), args.out)
     if not args.no_bench:
-        section(report, "bench", lambda: bench(args.out, args.device, args.bench_timeout))
-    (args.out / JSON_NAME).write_text(json.dumps(report, indent=2, default=str))
+        section(report, "bench", lambda: bench(args.out, args.device, args.bench_timeout),
+                args.out)
     print(f"[gpu-check] wrote {args.out / JSON_NAME}")
     return 1 if any("error" in v for v in report.values() if isinstance(v, dict)) else 0
 

@@ -19,7 +19,13 @@ from collections.abc import Callable
 
 import torch
 
-from backend.engine.sampler import make_generator, sample, token_logprobs, torch_argmax
+from backend.engine.sampler import (
+    make_generator,
+    sample,
+    sample_batch,
+    token_logprobs,
+    torch_argmax,
+)
 from backend.engine.sampling import SamplingParams
 
 VOCAB = 32000
@@ -78,8 +84,11 @@ def median_ms(fn: Callable[[], object], reps: int) -> float:
 
 
 def compare(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
-            baseline: bool, rounds: int, reps: int) -> tuple[float | None, float]:
-    """(per-row ms or None, batched ms): medians over rounds, the sides in rotating order."""
+            baseline: bool, rounds: int,
+            reps: int) -> tuple[float | None, float, float]:
+    """(per-row ms or None, batched ms, all-rows ms): medians over rounds, the sides in
+    rotating order. All rows: ``sample_batch`` (the device sampler) on the CPU, the
+    logprobs left out."""
     def gens() -> list[torch.Generator | None]:
         return [None if p.greedy else make_generator(p.seed or 0) for p in params]
 
@@ -90,14 +99,19 @@ def compare(logits: torch.Tensor, params: list[SamplingParams], outputs: list[li
     def per_row() -> object:
         return per_row_sample(logits, params, gens())
 
-    sides: dict[str, list[float]] = {"batched": [], "per-row": []}
+    def all_rows() -> object:
+        return sample_batch(logits, params, gens(), outputs).tolist()
+
+    fns = {"batched": batched, "per-row": per_row, "all-rows": all_rows}
+    sides: dict[str, list[float]] = {name: [] for name in fns}
+    order = list(fns)
     for r in range(rounds):
-        for side in (["batched", "per-row"] if r % 2 else ["per-row", "batched"]):
+        for side in order[r % 3:] + order[:r % 3]:
             if side == "per-row" and not baseline:
                 continue
-            sides[side].append(median_ms(batched if side == "batched" else per_row, reps))
+            sides[side].append(median_ms(fns[side], reps))
     old = statistics.median(sides["per-row"]) if baseline else None
-    return old, statistics.median(sides["batched"])
+    return old, statistics.median(sides["batched"]), statistics.median(sides["all-rows"])
 
 
 def main() -> None:
@@ -107,18 +121,20 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
     torch.manual_seed(0)
-    print(f"{'batch':>5} {'workload':<18} {'per-row ms':>10} {'batched ms':>10} {'ratio':>6}")
+    print(f"{'batch':>5} {'workload':<18} {'per-row ms':>10} {'batched ms':>10} {'ratio':>6}"
+          f" {'all-rows ms':>11}")
     for n in (int(b) for b in args.batches.split(",")):
         logits = torch.randn(n, VOCAB) * 3
         outputs = [[random.randrange(VOCAB) for _ in range(256)] for _ in range(n)]
         for name, params in workloads(n).items():
-            old_ms, new_ms = compare(logits, params, outputs, name in ("greedy", "seeded"),
-                                     args.rounds, args.reps)
+            old_ms, new_ms, all_ms = compare(logits, params, outputs,
+                                             name in ("greedy", "seeded"), args.rounds,
+                                             args.reps)
             if old_ms is not None:
                 print(f"{n:>5} {name:<18} {old_ms:>10.3f} {new_ms:>10.3f} "
-                      f"{new_ms / old_ms:>6.2f}")
+                      f"{new_ms / old_ms:>6.2f} {all_ms:>11.3f}")
             else:
-                print(f"{n:>5} {name:<18} {'-':>10} {new_ms:>10.3f} {'-':>6}")
+                print(f"{n:>5} {name:<18} {'-':>10} {new_ms:>10.3f} {'-':>6} {all_ms:>11.3f}")
 
 
 if __name__ == "__main__":

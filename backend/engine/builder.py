@@ -139,12 +139,17 @@ def build_engine(config: EngineConfig, *, step_hook: StepHook | None = None,
         loaded.model.set_decode_kernel(load_decode_kernel(), fused=config.fused_decode)
     elif config.attention == "triton" or (device.type == "cuda" and config.attention == "auto"):
         from .triton_attention import TritonDecodeAttention, available  # imports triton
-        if available(device):
-            loaded.model.set_decode_kernel(TritonDecodeAttention(), fused=False)
+        kernel = TritonDecodeAttention()
+        why = kernel.self_test(device, dtype) if available(device) else \
+            "needs Triton, and CUDA (or TRITON_INTERPRET=1 on the CPU)"
+        if why is None:
+            loaded.model.set_decode_kernel(kernel, fused=False)
             in_place = True
         elif config.attention == "triton":
-            raise InvalidRequestError("attention=triton needs Triton, and CUDA (or "
-                                      "TRITON_INTERPRET=1 on the CPU)", "attention")
+            raise InvalidRequestError(f"attention=triton: {why}", "attention")
+        else:
+            log.warning("the Triton decode-attention kernel is not used (%s): torch's "
+                        "gather + SDPA instead", why)
     tokenizer = Tokenizer.from_dir(path)
     spec = config.spec
     draft = None if spec is None or spec.draft_model is None else \

@@ -62,6 +62,14 @@ class ModelRunner:
         """
         if self.graphs is not None and self.graphs.fits(chunks):
             return self.graphs.run(chunks)
+        logits = self._execute(chunks)
+        if self.device.type == "cuda" and any(c.num_new_tokens > 1 for c in chunks):
+            # the engine stamps the step's end after this: a prefill's times (traces,
+            # TTFT) end when the GPU is done, not when its kernels were queued
+            torch.cuda.synchronize(self.device)
+        return logits
+
+    def _execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         input_ids: list[int] = []
         specs: list[tuple[list[int], int, int]] = []
         sampling: list[int] = []  # indexes into specs

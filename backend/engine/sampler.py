@@ -118,6 +118,8 @@ def pick_tokens(
     ``on_device`` and no row asking for logprobs: ``sample_batch`` where the logits are,
     the picked ids the step's one copy back to the host; else ``sample`` on host logits
     (the CPU engine's, tuned for its caches)."""
+    if not params:  # a step of prefill chunks only
+        return [], []
     if on_device and raw is None and all(p.logprobs is None for p in params):
         picks: list[int] = sample_batch(logits, params, generators, outputs).tolist()
         return picks, [None] * len(picks)
@@ -137,6 +139,8 @@ def sample_batch(
     penalty counts go to it (host-to-device copies), and the caller copies the ids back,
     once. Greedy rows take torch's argmax."""
     dev = logits.device
+    if not params:  # a step of prefill chunks only
+        return torch.empty(0, dtype=torch.long, device=dev)
     x = adjusted_logits(logits, params, outputs)
     ids = x.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -159,13 +163,20 @@ def uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
 def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF picks: per row of ``probs`` ([M, vocab], unnormalised is fine), the
     first token whose cumulative probability exceeds ``u`` ([M], in [0, 1)) times the
-    row's total; never a token of probability 0 (rounding at the top end picks the last
-    token that has some). An exact draw from the row's distribution for a uniform ``u``."""
+    row's total. An exact draw from the row's distribution for a uniform ``u``.
+
+    Never a token of probability 0: rounding at the top end picks the last token that has
+    some, and where a parallel scan (CUDA's ``cumsum``) lets the sum rise across a token of
+    probability 0, that token gives way to the last one with mass. A row with NaN picks a
+    token in range (the last), never one past the vocabulary: an id out of range would
+    fail the next step's embedding on a GPU."""
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:].contiguous()
     picks = torch.searchsorted(cdf, u[:, None] * total, right=True)
     last = torch.searchsorted(cdf, total, right=False)  # the last token with mass
-    return torch.minimum(picks, last)[:, 0]
+    picks = torch.minimum(picks, last).clamp_(max=probs.shape[1] - 1)
+    return torch.where(probs.gather(1, picks) > 0, picks,
+                       last.clamp_(max=probs.shape[1] - 1))[:, 0]
 
 
 def adjusted_logits(logits: torch.Tensor, params: list[SamplingParams],
@@ -219,7 +230,7 @@ def probabilities(x: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
     x = x / put([p.temperature for p in ps], x.dtype)
     m_rows = [j for j, p in enumerate(ps) if p.min_p > 0.0]
     if m_rows:
-        sub = x if len(m_rows) == len(ps) else x[m_rows]
+        sub = x if len(m_rows) == len(ps) else _rows(x, m_rows)
         # p_t >= min_p * p_max  <=>  x_t >= max(x) + log(min_p)
         floor = sub.amax(dim=-1, keepdim=True) + put([math.log(ps[j].min_p) for j in m_rows],
                                                      x.dtype)
@@ -227,14 +238,14 @@ def probabilities(x: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
     k_rows = [j for j, p in enumerate(ps) if 0 < p.top_k < vocab]
     if k_rows:
         ks = [ps[j].top_k for j in k_rows]
-        sub = x if len(k_rows) == len(ps) else x[k_rows]
+        sub = x if len(k_rows) == len(ps) else _rows(x, k_rows)
         top = torch.topk(sub, max(ks), dim=-1).values
         kth = top.gather(1, put(ks, torch.long) - 1)
         sub = sub.masked_fill(sub < kth, NEG_INF)
         x = _put_rows(x, k_rows, sub)
     p_rows = [j for j, p in enumerate(ps) if p.top_p < 1.0]
     if p_rows:
-        sub = x if len(p_rows) == len(ps) else x[p_rows]
+        sub = x if len(p_rows) == len(ps) else _rows(x, p_rows)
         top_p = put([ps[j].top_p for j in p_rows], x.dtype)
         sorted_logits, idx = torch.sort(sub, dim=-1, descending=True, stable=True)
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
@@ -262,6 +273,13 @@ def _probs_row(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         sorted_logits = sorted_logits.masked_fill(drop, NEG_INF)
         row = torch.empty_like(row).scatter_(0, idx, sorted_logits)
     return torch.softmax(row, dim=-1)
+
+
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``x[rows]``, the index copied to ``x``'s device without waiting (indexing a GPU
+    tensor with a Python list makes the copy blocking)."""
+    return x.index_select(0, torch.tensor(rows, dtype=torch.long).to(x.device,
+                                                                        non_blocking=True))
 
 
 def _put_rows(x: torch.Tensor, rows: list[int], sub: torch.Tensor) -> torch.Tensor:

@@ -43,14 +43,15 @@ def _next_pow2(n: int) -> int:
 
 
 if triton is not None:
+    # Only tl.constexpr annotations: compiling (not the interpreter) resolves every
+    # annotation as a global of the kernel's and refuses the others (``compile_for``).
     @triton.jit  # type: ignore[untyped-decorator]
-    def _paged_decode(
-        q_ptr: Any, k_ptr: Any, v_ptr: Any, out_ptr: Any, tokens_ptr: Any, tables_ptr: Any,
-        lens_ptr: Any, stride_qt: Any, stride_qh: Any, stride_ot: Any, stride_oh: Any,
-        stride_table: Any, num_blocks: Any, scale: Any,
+    def _paged_decode(  # type: ignore[no-untyped-def]
+        q_ptr, k_ptr, v_ptr, out_ptr, tokens_ptr, tables_ptr, lens_ptr,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_table, num_blocks, scale,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    ) -> None:
+    ):
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
         token = tl.load(tokens_ptr + seq)
@@ -100,6 +101,28 @@ class TritonDecodeAttention:
         return available(cache.device) and cache.is_contiguous() \
             and cache.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
+    def self_test(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        """None when the kernel compiles here and agrees with the torch path on a small
+        batch (GQA, two sequences across blocks); else what went wrong. The builder runs it
+        before using the kernel, and falls back to the torch path on an answer."""
+        from .attention import Workspace, build_attention_batch, paged_attention
+        try:
+            g = torch.Generator().manual_seed(0)
+            k_cache, v_cache = (torch.randn(2, 8, 16, 64, generator=g).to(device, dtype)
+                                for _ in range(2))
+            batch = build_attention_batch([([3, 5], 20, 1), ([6], 4, 1)], 16, device)
+            q = torch.randn(2, 4, 64, generator=g).to(device, dtype)
+            kv = torch.zeros(2, 2, 64, device=device, dtype=dtype)  # unused by decodes
+            want = paged_attention(q, kv, kv, k_cache, v_cache, batch, 0.125, Workspace())
+            got = paged_attention(q, kv, kv, k_cache, v_cache, batch, 0.125, Workspace(),
+                                  self)
+            err = float((got.float() - want.float()).abs().max())
+        except Exception as exc:  # noqa: BLE001 - any failure means "do not use it"
+            return repr(exc)
+        if not err < (1e-3 if dtype == torch.float32 else 3e-2):
+            return f"differs from the torch path by {err}"
+        return None
+
     def fused_decoder(self, weights: Any) -> None:
         """No fused whole-step decoder on this path (the CPU kernel's)."""
         return
@@ -123,3 +146,26 @@ class TritonDecodeAttention:
             GROUP=group, BLOCK_G=_next_pow2(group), HEAD_DIM=dim,
             BLOCK_D=_next_pow2(dim), BLOCK_SIZE=block_size,
         )
+
+
+def compile_for(arch: int, dtype: str, group: int, head_dim: int, block_size: int) -> Any:
+    """Compile the kernel for CUDA compute capability ``arch`` (90: Hopper) without a GPU:
+    what ``tests/backend/engine/test_triton_attention.py`` checks in a process without
+    ``TRITON_INTERPRET`` (the interpreter accepts kernels the compiler refuses).
+    ``dtype``: Triton's name of the q/cache/out element type (``bf16``, ``fp32``)."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = _paged_decode.arg_names
+    ints = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_table", "num_blocks")
+    consts = {"GROUP": group, "BLOCK_G": _next_pow2(group), "HEAD_DIM": head_dim,
+              "BLOCK_D": _next_pow2(head_dim), "BLOCK_SIZE": block_size}
+    signature = {**{n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")},
+                 **{n: "*i64" for n in ("tokens_ptr", "tables_ptr", "lens_ptr")},
+                 **{n: "i32" for n in ints}, "scale": "fp32",
+                 **{n: "constexpr" for n in consts}}
+    source = ASTSource(_paged_decode, signature=signature,
+                       constexprs={(names.index(n),): v for n, v in consts.items()})
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32))

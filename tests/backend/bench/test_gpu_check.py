@@ -14,6 +14,8 @@ def test_the_gpu_check_runs_on_the_cpu(tmp_path: Path) -> None:
                  "--model", "test", "--no-bench", "--quick"])
     report = json.loads((tmp_path / JSON_NAME).read_text())
     assert code == 0, report
+    pre = report["preflight"]
+    assert pre["tokens"] == 6 and pre["graphs"] is None  # no CUDA: no graphs
     parity = report["parity"]
     assert parity["top1_agree"] == 1.0
     assert parity["logits_max_abs_diff"] < 1e-3 * max(1.0, parity["logits_scale"])

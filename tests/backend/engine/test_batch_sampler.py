@@ -15,7 +15,13 @@ from hypothesis import strategies as st
 from backend.engine.builder import EngineParts, build_engine
 from backend.engine.config import EngineConfig
 from backend.engine.host_sync import count_host_syncs
-from backend.engine.sampler import probabilities, sample, sample_batch
+from backend.engine.sampler import (
+    pick_tokens,
+    probabilities,
+    sample,
+    sample_batch,
+    torch_argmax,
+)
 from backend.engine.sampling import SamplingParams
 
 from .test_sampler import VOCAB, gens, logits_of, params_st
@@ -137,3 +143,28 @@ def test_the_engine_gives_the_same_tokens_with_either_sampler(tmp_path: Path) ->
     host, device = run(False), run(True)
     assert len(host) == 6 and all(len(t) == 24 for t in host.values())
     assert device == host
+
+
+def test_no_rows_and_nan_rows() -> None:
+    """A step of prefill chunks only samples nothing; a row of NaN logits picks a token in
+    the vocabulary (an id past it would fail the next step's embedding on a GPU)."""
+    empty = torch.empty(0, 0)
+    assert sample_batch(empty, [], []).tolist() == []
+    assert pick_tokens(empty, [], [], torch_argmax, [], None, True) == ([], [])
+    logits = torch.tensor([[1.0, float("nan"), 2.0, 0.0], [0.5, 0.1, 0.2, 0.3]])
+    params = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.7, seed=2)]
+    for picks in (sample_batch(logits, params, gens(params)).tolist(),
+                  sample(logits, params, gens(params))):
+        assert all(0 <= t < 4 for t in picks), picks
+
+
+def test_a_long_prompt_alone_prefills_in_chunks_on_the_device_sampler(tmp_path: Path) -> None:
+    """Steps of one mid-prefill chunk (nothing decodes, nothing samples) on the device
+    sampler: the steps run and the request gets its tokens."""
+    core = make(tmp_path, device_sampler=True, max_num_batched_tokens=16).core
+    core.add_request("long", list(range(3, 43)), MIX[1])
+    tokens: list[int] = []
+    while core.has_work():
+        for d in core.step():
+            tokens.extend(d.token_ids)
+    assert len(tokens) == 24

@@ -7,7 +7,10 @@ with it gives the torch path's greedy tokens."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,10 +88,54 @@ def test_the_engine_on_the_kernel_gives_the_torch_paths_tokens(tmp_path: Path) -
     assert run("triton", False) == run("auto", False)
 
 
+COMPILE = """
+import os, sys
+os.environ.pop("TRITON_INTERPRET", None)  # compile, as on a GPU: not the interpreter
+sys.path.insert(0, {root!r})
+from backend.engine.triton_attention import compile_for
+for args in [("bf16", 2, 64, 16), ("bf16", 3, 128, 16), ("fp32", 1, 48, 8)]:
+    kernel = compile_for(90, *args)
+    assert kernel.asm["cubin"], args
+print("compiled")
+"""
+
+
+def test_the_kernel_compiles_for_hopper() -> None:
+    """The interpreter runs kernels the compiler refuses (an annotation it cannot resolve,
+    a shape it cannot lower): the kernel is compiled to sm_90 code here, no GPU needed."""
+    root = str(Path(__file__).resolve().parents[3])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    proc = subprocess.run([sys.executable, "-c", COMPILE.format(root=root)], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+
+
 def test_attention_triton_is_refused_where_triton_cannot_run(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from backend.engine.errors import InvalidRequestError
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU without the interpreter
     with pytest.raises(InvalidRequestError, match="attention=triton"):
+        build_engine(EngineConfig(model="tiny", cache_dir=str(tmp_path), device="cpu",
+                                  kv_blocks=16, attention="triton"))
+
+
+def test_the_self_test_passes_here_and_names_a_broken_kernel(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The builder runs the kernel once before using it; a kernel that fails (to compile,
+    or to agree with the torch path) is named, and ``attention=triton`` refuses to start
+    with it (``auto`` falls back to the torch path on CUDA)."""
+    from backend.engine.errors import InvalidRequestError
+    kernel = triton_attention.TritonDecodeAttention()
+    for dtype in (torch.float32, torch.bfloat16):
+        assert kernel.self_test(torch.device("cpu"), dtype) is None
+
+    def wrong(self, q, k_cache, v_cache, tokens, tables, lens, scale, out):  # type: ignore[no-untyped-def]
+        out.zero_()
+
+    monkeypatch.setattr(triton_attention.TritonDecodeAttention, "__call__", wrong)
+    assert "differs from the torch path" in str(kernel.self_test(torch.device("cpu"),
+                                                                 torch.float32))
+    with pytest.raises(InvalidRequestError, match="differs from the torch path"):
         build_engine(EngineConfig(model="tiny", cache_dir=str(tmp_path), device="cpu",
                                   kv_blocks=16, attention="triton"))

@@ -59,7 +59,12 @@ def test_completion_logprobs_whole_and_streamed(client: openai.OpenAI) -> None:
         offsets.append(offsets[-1] + len(token))
     assert lp.text_offset == offsets
     for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
-        assert 2 <= len(top) <= 3 and top[token] == value  # the top 2 and the sampled one
+        assert 1 <= len(top) <= 3  # the top 2 and the sampled one
+        if "\ufffd" in (token, *top):
+            # top_logprobs is keyed by text (OpenAI's format): byte-fragment tokens all
+            # read "\ufffd" and share one key
+            continue
+        assert len(top) >= 2 and top[token] == value
     tokens: list[str] = []
     values: list[float] = []
     text_offset: list[int] = []
