@@ -44,6 +44,12 @@ class PagedDecodeKernel(Protocol):
 
     def supports(self, cache: torch.Tensor) -> bool: ...
 
+    def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                chunk: PrefillChunk, scale: float, out: torch.Tensor) -> bool:
+        """Attend one prefill chunk's rows of q over its cached + new keys (all in the
+        cache by now) into its rows of out; False: not supported here (SDPA instead)."""
+        ...
+
     def fused_decoder(self, weights: Any) -> FusedDecoder | None: ...
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -104,6 +110,7 @@ class PrefillChunk:
     num_computed: int
     block_ids: torch.Tensor | None  # [n_blocks] covering the context; None if nothing cached
     mask: torch.Tensor | None  # [num_new, ctx] bool (True = may attend); None = plain causal
+    table: list[int] = field(default_factory=list)  # the context's blocks (a kernel's)
 
 
 @dataclass(slots=True)
@@ -167,7 +174,7 @@ def build_attention_batch(
             q_pos = torch.arange(computed, computed + new).unsqueeze(1)
             # token at position p sees keys 0..p (cached prefix + new tokens up to itself)
             mask = (torch.arange(computed + new).unsqueeze(0) <= q_pos).to(device)
-        prefills.append(PrefillChunk(start, new, computed, block_ids, mask))
+        prefills.append(PrefillChunk(start, new, computed, block_ids, mask, table))
     return AttentionBatch(
         num_tokens=len(positions),
         block_size=block_size,
@@ -239,7 +246,9 @@ def paged_attention(
         else:
             _decode_attention(q, k_cache, v_cache, batch.decode, scale, out, ws)
     for chunk in batch.prefills:
-        _prefill_attention(q, k, v, k_cache, v_cache, chunk, scale, out)
+        if kernel is None or not kernel.supports(k_cache) \
+                or not kernel.prefill(q, k_cache, v_cache, chunk, scale, out):
+            _prefill_attention(q, k, v, k_cache, v_cache, chunk, scale, out)
     return out
 
 

@@ -346,6 +346,11 @@ class DecodeKernel:
 
     native_dtypes = False  # float32 q and out only (attention widens bf16 rows for it)
 
+    def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                chunk: Any, scale: float, out: torch.Tensor) -> bool:
+        """No prefill kernel in C: SDPA runs prefill chunks."""
+        return False
+
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib  # keeps the library loaded
         self._fns: dict[torch.dtype, Any] = {}

@@ -17,7 +17,12 @@ import pytest
 import torch
 
 from backend.engine import triton_attention
-from backend.engine.attention import Workspace, build_attention_batch, paged_attention
+from backend.engine.attention import (
+    Workspace,
+    build_attention_batch,
+    paged_attention,
+    write_kv,
+)
 from backend.engine.builder import build_engine
 from backend.engine.config import EngineConfig
 from backend.engine.sampling import SamplingParams
@@ -46,8 +51,12 @@ def test_the_kernel_matches_the_torch_path(dtype: torch.dtype,
     for ctx in (1, block_size, block_size + 1, 3 * block_size - 2, 5 * block_size):
         table = [free.pop() for _ in range(-(-ctx // block_size))]
         specs.append((table, ctx - 1, 1))
-    # a prefill chunk in the middle: the decode rows around it are not contiguous
+    # prefill chunks among them (the decode rows around them are not contiguous): a
+    # short one after a cached prefix, a fresh one, and one of several 16-row tiles over
+    # several blocks after a prefix
     specs.insert(2, ([free.pop() for _ in range(2)], 3, 5))
+    specs.insert(4, ([free.pop() for _ in range(-(-7 // block_size))], 0, 7))
+    specs.append(([free.pop() for _ in range(-(-45 // block_size))], 10, 35))
     batch = build_attention_batch(specs, block_size, "cpu")
     t = batch.num_tokens
     qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
@@ -55,6 +64,7 @@ def test_the_kernel_matches_the_torch_path(dtype: torch.dtype,
     k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(t, kv_heads, dim)
     v = qkv[:, (heads + kv_heads) * dim:].view(t, kv_heads, dim)
     scale = dim ** -0.5
+    write_kv(*caches, k, v, batch)  # as the model does before attending
     want = paged_attention(q, k, v, *caches, batch, scale, Workspace())
     kernel = triton_attention.TritonDecodeAttention()
     assert kernel.supports(caches[0])
@@ -64,14 +74,15 @@ def test_the_kernel_matches_the_torch_path(dtype: torch.dtype,
     rows = batch.decode.tokens
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got[rows].float(), want[rows].float(), atol=tol, rtol=tol)
-    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)  # prefill too
+    # the prefill rows too: the kernel's where blocks hold 16 tokens, SDPA's with 8
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
 def test_the_engine_on_the_kernel_gives_the_torch_paths_tokens(tmp_path: Path) -> None:
     def run(attention: str, decode_kernel: bool) -> list[list[int]]:
         core = build_engine(EngineConfig(
             model="tiny", cache_dir=str(tmp_path), device="cpu", dtype="float32",
-            block_size=8, kv_blocks=64, attention=attention, decode_kernel=decode_kernel,
+            block_size=16, kv_blocks=64, attention=attention, decode_kernel=decode_kernel,
             fused_decode=False)).core
         if attention == "triton":
             assert isinstance(core.runner.model.decode_kernel,  # type: ignore[attr-defined]
@@ -95,6 +106,9 @@ sys.path.insert(0, {root!r})
 from backend.engine.triton_attention import compile_for
 for args in [("bf16", 2, 64, 16), ("bf16", 3, 128, 16), ("fp32", 1, 48, 8)]:
     kernel = compile_for(90, *args)
+    assert kernel.asm["cubin"], args
+for args in [("bf16", 2, 64, 16), ("bf16", 3, 128, 16), ("fp32", 1, 48, 32)]:
+    kernel = compile_for(90, *args, prefill=True)
     assert kernel.asm["cubin"], args
 print("compiled")
 """
