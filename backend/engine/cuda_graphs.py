@@ -58,8 +58,11 @@ class DecodeGraphs:
         n, long = self.max_batch, torch.long
         self.ids = torch.zeros(n, dtype=long, device=device)
         self.positions = torch.zeros(n, dtype=long, device=device)
-        self.slots = torch.zeros(n, dtype=long, device=device)
+        # until a step fills them, every row is a padding row: the capture's warm-up
+        # writes its K/V into the scratch block, not into a block the manager hands out
+        self.slots = torch.full((n,), scratch_block * block_size, dtype=long, device=device)
         self.tables = torch.zeros(n, self.width, dtype=long, device=device)
+        self.tables[:, 0] = scratch_block
         self.lens = torch.ones(n, dtype=long, device=device)
         self.rows = torch.arange(n, dtype=long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
