@@ -86,8 +86,13 @@ def _partial(w: Workload, result: RunResult) -> tuple[Workload, list[str]]:
     early = end <= w.warmup_s
     if early:
         end = w.warmup_s + EMPTY_WINDOW_S
-    eff = w.model_copy(update={"duration_s": end + w.cooldown_s})
     result.records = [_remeasured(r, w.warmup_s, end) for r in ended]
+    if not any(r.plan.measured for r in result.records):
+        # nothing measured: at least the empty window (a stop seen a fraction of a ms in
+        # left one too short to show, and the report read a window of 0 s); every request
+        # was sent before the cut, so none falls into the widened part
+        end = max(end, w.warmup_s + EMPTY_WINDOW_S)
+    eff = w.model_copy(update={"duration_s": end + w.cooldown_s})
     note = (f"partial: interrupted {cut:.1f} s into the run; the report covers the "
             f"{len(ended)} requests that ended ({in_flight} in flight were dropped"
             + (f", {unsent} never sent" if unsent and w.concurrency is None else "") + ")")

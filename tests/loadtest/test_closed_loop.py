@@ -176,6 +176,19 @@ def test_a_stop_seen_late_still_says_nothing_was_measured() -> None:
     assert "interrupted 0.2 s" in notes[0] and "nothing was measured" in notes[0]
 
 
+def test_a_stop_seen_within_a_millisecond_keeps_the_empty_window() -> None:
+    """Seen 0.2 ms in (CI's case: the report's window, rounded to ms, read 0 s): the
+    window is the empty one, 1 ms, and nothing was measured."""
+    from loadtest.run import EMPTY_WINDOW_S, _partial
+    from loadtest.runner import RunResult
+
+    w = parse_workload({"duration_s": 5, "model": "m", "arrival": {"process": "constant",
+                        "rate": 10}, "classes": [{"name": "a", "share": 1,
+                                                  "lengths": {"pairs": [[4, 2]]}}]})
+    eff, notes = _partial(w, RunResult([], 0.0, 0.0002, 0.0, interrupted_at=0.0002))
+    assert eff.duration_s == EMPTY_WINDOW_S and "nothing was measured" in notes[0]
+
+
 def test_stopped_during_warmup_counts_no_warmup_request() -> None:
     w = parse_workload({"duration_s": 30, "warmup_s": 20, "model": "m",
                         "arrival": {"process": "constant", "rate": 10},
