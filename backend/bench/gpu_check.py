@@ -50,7 +50,7 @@ from backend.engine.sampling import SamplingParams
 
 from .checkpoint import TEST_MODEL, ModelSpec, write_checkpoint
 from .hf_baseline import load_hf_model
-from .roofline import decode_step_rounds, measure_machine, roofline_s
+from .roofline import decode_step_rounds, measure_machine, roofline_s, sync_device
 from .serving import bench_params
 
 # ~0.44B parameters (0.38B in matmuls): the "~0.5B random Llama config"
@@ -68,11 +68,6 @@ def engine(path: Path, device: str, dtype: str, graphs: bool, max_seqs: int) -> 
     return build_engine(EngineConfig(model=str(path), device=device, dtype=dtype,
                                      max_num_seqs=max_seqs, max_num_batched_tokens=2048,
                                      cuda_graphs=graphs, kv_memory_gib=kv))
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def parity(path: Path, device: torch.device, dtype: str, prompts: int,
@@ -150,7 +145,7 @@ def sync_counts(path: Path, device: torch.device, dtype: str, batch: int,
     driver: list[int] = []
     ours: list[int] = []
     for _ in range(steps):
-        sync(device)
+        sync_device(device)
         with warnings.catch_warnings(record=True) as seen, count_host_syncs() as calls:
             warnings.simplefilter("always")
             if device.type == "cuda":

@@ -40,19 +40,19 @@ class Machine:
     matmul_gflops_fp32: float
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def _median_time(fn: Callable[[], object], device: torch.device, reps: int) -> float:
     fn()
-    _sync(device)
+    sync_device(device)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync_device(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

@@ -258,7 +258,8 @@ def _decode_attention_kernel(
     ws: Workspace,
 ) -> None:
     tables = group.block_ids.view(group.num_seqs, group.blocks_per_seq)
-    if q.dtype == torch.float32 or kernel.native_dtypes:  # q may be a strided view (rows of the fused qkv)
+    # q may be a strided view (rows of the fused qkv)
+    if q.dtype == torch.float32 or kernel.native_dtypes:
         kernel(q, k_cache, v_cache, group.tokens, tables, group.context_lens, scale, out)
         return
     out32 = ws.get("attn_out32", tuple(out.shape), torch.float32, out.device)

@@ -186,7 +186,7 @@ def build_engine(config: EngineConfig, *, step_hook: StepHook | None = None,
     graphs = static_decode or (device.type == "cuda" and config.cuda_graphs and in_place)
     # with graphs, one block more: the padding rows' scratch (cuda_graphs.py), never handed
     # out by the block manager
-    kv = allocate_kv_cache(mcfg, num_blocks + graphs, bs, dtype, device)
+    kv = allocate_kv_cache(mcfg, num_blocks + (1 if graphs else 0), bs, dtype, device)
     runner = ModelRunner(loaded.model, kv, bs, device)
     if graphs:
         runner.graphs = DecodeGraphs(loaded.model, kv, bs, device, config.max_num_seqs,

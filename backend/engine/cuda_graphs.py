@@ -51,9 +51,8 @@ class DecodeGraphs:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.scratch_block = scratch_block
-        self.buckets = [b for b in BUCKETS if b < max_batch] + [min(max_batch, BUCKETS[-1])]
-        self.buckets = sorted(set(self.buckets))
-        self.max_batch = self.buckets[-1]
+        self.max_batch = min(max_batch, BUCKETS[-1])
+        self.buckets = [b for b in BUCKETS if b < self.max_batch] + [self.max_batch]
         self.width = -(-max_model_len // block_size)
         n, long = self.max_batch, torch.long
         self.ids = torch.zeros(n, dtype=long, device=device)
@@ -66,8 +65,7 @@ class DecodeGraphs:
         self.lens = torch.ones(n, dtype=long, device=device)
         self.rows = torch.arange(n, dtype=long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.captured = False
+        self.outputs: dict[int, torch.Tensor] = {}  # each graph's logits
         if capture:
             self._capture()
 
@@ -111,7 +109,7 @@ class DecodeGraphs:
                                       non_blocking=True)
         if pad:
             self.tables[n:bucket, 0].fill_(scratch)
-        if self.captured:
+        if self.graphs:
             self.graphs[bucket].replay()
             return self.outputs[bucket][:n]
         return self._forward(bucket)[:n]
@@ -147,5 +145,4 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[b] = graph
         torch.cuda.synchronize()
-        self.captured = True
         log.info("CUDA graphs captured for decode batches %s", self.buckets)

@@ -334,7 +334,7 @@ class LLMEngine:
         gens = [self._generator(s) for s in sampling]
         outputs = [s.output_token_ids if s.params.penalized else () for s in sampling]
         tokens, lps = pick_tokens(logits, params, gens, self._argmax, outputs, raw,
-                                  self.batch_sampling or logits.device.type != "cpu")
+                                  self.batch_sampling)
         return [self._append_token(seq, tok, now, lp)
                 for seq, tok, lp in zip(sampling, tokens, lps)]
 

@@ -149,7 +149,7 @@ def sample_batch(
     u = uniforms([generators[i] for i in rows]).to(dev, non_blocking=True)
     if len(rows) == len(params):
         return draw(probabilities(x, params), u)
-    index = torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)
+    index = _on(rows, torch.long, dev)
     picked = draw(probabilities(x.index_select(0, index), [params[i] for i in rows]), u)
     return ids.index_copy_(0, index, picked)
 
@@ -172,11 +172,9 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     fail the next step's embedding on a GPU."""
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:].contiguous()
-    picks = torch.searchsorted(cdf, u[:, None] * total, right=True)
-    last = torch.searchsorted(cdf, total, right=False)  # the last token with mass
-    picks = torch.minimum(picks, last).clamp_(max=probs.shape[1] - 1)
-    return torch.where(probs.gather(1, picks) > 0, picks,
-                       last.clamp_(max=probs.shape[1] - 1))[:, 0]
+    last = torch.searchsorted(cdf, total).clamp_(max=probs.shape[1] - 1)  # the last with mass
+    picks = torch.minimum(torch.searchsorted(cdf, u[:, None] * total, right=True), last)
+    return torch.where(probs.gather(1, picks) > 0, picks, last)[:, 0]
 
 
 def adjusted_logits(logits: torch.Tensor, params: list[SamplingParams],
@@ -189,16 +187,13 @@ def adjusted_logits(logits: torch.Tensor, params: list[SamplingParams],
         return logits
     x = logits.clone()
     dev = x.device
-
-    def put(values: list[int] | list[float], dtype: torch.dtype = torch.long) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
-
     if bias_rows:
         r = [i for i in bias_rows for _ in params[i].logit_bias]
         t = [tok for i in bias_rows for tok, _ in params[i].logit_bias]
         b = [bias for i in bias_rows for _, bias in params[i].logit_bias]
         # token ids are unique per row (SamplingParams), so this adds each bias once
-        x.index_put_((put(r), put(t)), put(b, x.dtype), accumulate=True)
+        x.index_put_((_on(r, torch.long, dev), _on(t, torch.long, dev)),
+                     _on(b, x.dtype, dev), accumulate=True)
     if pen_rows:
         if outputs is None:
             raise ValueError("penalties need each row's output tokens")
@@ -206,13 +201,13 @@ def adjusted_logits(logits: torch.Tensor, params: list[SamplingParams],
         counts = torch.zeros(len(pen_rows), x.shape[1], dtype=x.dtype, device=dev)
         where = [j for j, s in enumerate(seqs) for _ in s]
         if where:
-            toks = put(list(itertools.chain.from_iterable(seqs)))
-            counts.index_put_((put(where), toks),
+            toks = _on(list(itertools.chain.from_iterable(seqs)), torch.long, dev)
+            counts.index_put_((_on(where, torch.long, dev), toks),
                               torch.ones(len(where), dtype=x.dtype, device=dev),
                               accumulate=True)
-        presence = put([params[i].presence_penalty for i in pen_rows], x.dtype)[:, None]
-        frequency = put([params[i].frequency_penalty for i in pen_rows], x.dtype)[:, None]
-        idx = put(pen_rows)
+        presence = _on([params[i].presence_penalty for i in pen_rows], x.dtype, dev)[:, None]
+        frequency = _on([params[i].frequency_penalty for i in pen_rows], x.dtype, dev)[:, None]
+        idx = _on(pen_rows, torch.long, dev)
         penalty = presence * (counts > 0).to(x.dtype) + frequency * counts
         x.index_copy_(0, idx, x.index_select(0, idx) - penalty)
     return x
@@ -224,29 +219,29 @@ def probabilities(x: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
         return _probs_row(x[0], ps[0])[None]
     vocab, dev = x.shape[1], x.device
 
-    def put(values: list[int] | list[float], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)[:, None]
+    def column(values: list[int] | list[float], dtype: torch.dtype) -> torch.Tensor:
+        return _on(values, dtype, dev)[:, None]
 
-    x = x / put([p.temperature for p in ps], x.dtype)
+    x = x / column([p.temperature for p in ps], x.dtype)
     m_rows = [j for j, p in enumerate(ps) if p.min_p > 0.0]
     if m_rows:
         sub = x if len(m_rows) == len(ps) else _rows(x, m_rows)
         # p_t >= min_p * p_max  <=>  x_t >= max(x) + log(min_p)
-        floor = sub.amax(dim=-1, keepdim=True) + put([math.log(ps[j].min_p) for j in m_rows],
-                                                     x.dtype)
+        floor = sub.amax(dim=-1, keepdim=True) + column(
+            [math.log(ps[j].min_p) for j in m_rows], x.dtype)
         x = _put_rows(x, m_rows, sub.masked_fill(sub < floor, NEG_INF))
     k_rows = [j for j, p in enumerate(ps) if 0 < p.top_k < vocab]
     if k_rows:
         ks = [ps[j].top_k for j in k_rows]
         sub = x if len(k_rows) == len(ps) else _rows(x, k_rows)
         top = torch.topk(sub, max(ks), dim=-1).values
-        kth = top.gather(1, put(ks, torch.long) - 1)
+        kth = top.gather(1, column(ks, torch.long) - 1)
         sub = sub.masked_fill(sub < kth, NEG_INF)
         x = _put_rows(x, k_rows, sub)
     p_rows = [j for j, p in enumerate(ps) if p.top_p < 1.0]
     if p_rows:
         sub = x if len(p_rows) == len(ps) else _rows(x, p_rows)
-        top_p = put([ps[j].top_p for j in p_rows], x.dtype)
+        top_p = column([ps[j].top_p for j in p_rows], x.dtype)
         sorted_logits, idx = torch.sort(sub, dim=-1, descending=True, stable=True)
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (always at least one token).
@@ -275,11 +270,16 @@ def _probs_row(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return torch.softmax(row, dim=-1)
 
 
+def _on(values: list[int] | list[float], dtype: torch.dtype,
+        device: torch.device) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, copied there without waiting for it (a GPU
+    tensor indexed with a Python list, or ``torch.tensor(..., device=)``, copies in step)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``x[rows]``, the index copied to ``x``'s device without waiting (indexing a GPU
-    tensor with a Python list makes the copy blocking)."""
-    return x.index_select(0, torch.tensor(rows, dtype=torch.long).to(x.device,
-                                                                        non_blocking=True))
+    """``x[rows]``, the index on ``x``'s device (``_on``)."""
+    return x.index_select(0, _on(rows, torch.long, x.device))
 
 
 def _put_rows(x: torch.Tensor, rows: list[int], sub: torch.Tensor) -> torch.Tensor:
@@ -287,7 +287,7 @@ def _put_rows(x: torch.Tensor, rows: list[int], sub: torch.Tensor) -> torch.Tens
     itself when it is every row)."""
     if len(rows) == x.shape[0]:
         return sub
-    x[torch.tensor(rows, dtype=torch.long).to(x.device, non_blocking=True)] = sub
+    x[_on(rows, torch.long, x.device)] = sub
     return x
 
 

@@ -161,6 +161,18 @@ if triton is not None:
 PREFILL_TILE = 16  # query rows a prefill program takes (tl.dot's least)
 
 
+def _decode_consts(group: int, dim: int, block_size: int) -> dict[str, int]:
+    """``_paged_decode``'s compile-time arguments (its launch and ``compile_for``)."""
+    return {"GROUP": group, "BLOCK_G": _next_pow2(group), "HEAD_DIM": dim,
+            "BLOCK_D": _next_pow2(dim), "BLOCK_SIZE": block_size}
+
+
+def _prefill_consts(group: int, dim: int, block_size: int, ieee: bool) -> dict[str, int]:
+    """``_paged_prefill``'s compile-time arguments (its launch and ``compile_for``)."""
+    return {"GROUP": group, "HEAD_DIM": dim, "BLOCK_D": _next_pow2(max(dim, 16)),
+            "BLOCK_M": PREFILL_TILE, "BLOCK_SIZE": block_size, "IEEE": int(ieee)}
+
+
 class TritonDecodeAttention:
     """The decode-attention kernel the model calls where ``supports`` says so
     (``attention.paged_attention``); the same call as the CPU ``DecodeKernel``."""
@@ -209,8 +221,7 @@ class TritonDecodeAttention:
             q, k_cache, v_cache, out, table,
             q.stride(0), q.stride(1), out.stride(0), dim,
             chunk.start, chunk.num_new, chunk.num_computed, num_blocks, scale,
-            GROUP=heads // kv_heads, HEAD_DIM=dim, BLOCK_D=_next_pow2(max(dim, 16)),
-            BLOCK_M=PREFILL_TILE, BLOCK_SIZE=block_size, IEEE=q.dtype == torch.float32,
+            **_prefill_consts(heads // kv_heads, dim, block_size, q.dtype == torch.float32),
         )
         return True
 
@@ -225,17 +236,13 @@ class TritonDecodeAttention:
         contiguous) over their paged K/V; write out [T, H * D] at those rows.
         ``tables`` [n, width] int64 (padded), ``context_lens`` [n] int64."""
         kv_heads, num_blocks, block_size, dim = k_cache.shape
-        heads = q.shape[1]
-        group = heads // kv_heads
         if q.stride(2) != 1 or not tables.is_contiguous():
             raise ValueError("q's head dim and the block tables must be contiguous")
         grid = (tokens.shape[0], kv_heads)
         _paged_decode[grid](
             q, k_cache, v_cache, out, tokens, tables, context_lens,
             q.stride(0), q.stride(1), out.stride(0), dim, tables.stride(0),
-            num_blocks, scale,
-            GROUP=group, BLOCK_G=_next_pow2(group), HEAD_DIM=dim,
-            BLOCK_D=_next_pow2(dim), BLOCK_SIZE=block_size,
+            num_blocks, scale, **_decode_consts(q.shape[1] // kv_heads, dim, block_size),
         )
 
 
@@ -251,28 +258,21 @@ def compile_for(arch: int, dtype: str, group: int, head_dim: int, block_size: in
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    indexes: tuple[str, ...]
+    ints: tuple[str, ...]
     if prefill:
-        fn = _paged_prefill
-        pints = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "start", "num_new",
-                 "computed", "num_blocks")
-        pconsts = {"GROUP": group, "HEAD_DIM": head_dim,
-                   "BLOCK_D": _next_pow2(max(head_dim, 16)), "BLOCK_M": PREFILL_TILE,
-                   "BLOCK_SIZE": block_size, "IEEE": dtype == "fp32"}
-        sig = {**{n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")},
-               "table_ptr": "*i64", **{n: "i32" for n in pints}, "scale": "fp32",
-               **{n: "constexpr" for n in pconsts}}
-        src = ASTSource(fn, signature=sig, constexprs={(fn.arg_names.index(n),): v
-                                                       for n, v in pconsts.items()})
-        return triton.compile(src, target=GPUTarget("cuda", arch, 32))
-
-    names = _paged_decode.arg_names
-    ints = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_table", "num_blocks")
-    consts = {"GROUP": group, "BLOCK_G": _next_pow2(group), "HEAD_DIM": head_dim,
-              "BLOCK_D": _next_pow2(head_dim), "BLOCK_SIZE": block_size}
+        fn, indexes = _paged_prefill, ("table_ptr",)
+        ints = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "start", "num_new",
+                "computed", "num_blocks")
+        consts = _prefill_consts(group, head_dim, block_size, dtype == "fp32")
+    else:
+        fn, indexes = _paged_decode, ("tokens_ptr", "tables_ptr", "lens_ptr")
+        ints = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_table",
+                "num_blocks")
+        consts = _decode_consts(group, head_dim, block_size)
     signature = {**{n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")},
-                 **{n: "*i64" for n in ("tokens_ptr", "tables_ptr", "lens_ptr")},
-                 **{n: "i32" for n in ints}, "scale": "fp32",
-                 **{n: "constexpr" for n in consts}}
-    source = ASTSource(_paged_decode, signature=signature,
-                       constexprs={(names.index(n),): v for n, v in consts.items()})
+                 **{n: "*i64" for n in indexes}, **{n: "i32" for n in ints},
+                 "scale": "fp32", **{n: "constexpr" for n in consts}}
+    source = ASTSource(fn, signature=signature,
+                       constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
     return triton.compile(source, target=GPUTarget("cuda", arch, 32))
